@@ -1,0 +1,313 @@
+"""Strategy factory: cluster resolution, all-reduce choice, logical CPU replicas."""
+
+import json
+import os
+
+from absl import logging
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import distribute_lib
+
+from tfdp import errors
+
+KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
+ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "ring")
+_TASK_TYPES = ("worker", "chief")
+
+
+def parse_tf_config(raw=None):
+  """Parses and checks a TF_CONFIG string.
+
+  Args:
+    raw: the TF_CONFIG JSON; None reads the environment variable.
+
+  Returns:
+    The parsed dict, or None when TF_CONFIG is unset or empty.
+
+  Raises:
+    ConfigError: the JSON is malformed or inconsistent (unknown task type,
+      index out of range, addresses that are not `host:port`, duplicates).
+  """
+  if raw is None:
+    raw = os.environ.get("TF_CONFIG", "")
+  if not raw.strip():
+    return None
+  fix = ("Set TF_CONFIG to JSON like "
+         '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
+         '"task": {"type": "worker", "index": 0}}, or unset it for one host.')
+  try:
+    config = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise errors.ConfigError(f"TF_CONFIG is not valid JSON ({e}). {fix}") from e
+  if not isinstance(config, dict):
+    raise errors.ConfigError(f"TF_CONFIG must be a JSON object. {fix}")
+  cluster = config.get("cluster")
+  if not isinstance(cluster, dict) or not cluster:
+    raise errors.ConfigError(f"TF_CONFIG has no `cluster` object. {fix}")
+  seen = set()
+  for job, addresses in cluster.items():
+    if job not in _TASK_TYPES + ("ps", "evaluator"):
+      raise errors.ConfigError(
+          f"TF_CONFIG cluster has an unknown job {job!r}; tfdp runs "
+          f"data-parallel jobs of `worker` (and optionally one `chief`). {fix}")
+    if job in ("ps",):
+      raise errors.ConfigError(
+          "TF_CONFIG names parameter servers (`ps`); tfdp runs synchronous "
+          "all-reduce data parallelism, which has no parameter servers. "
+          "Remove the `ps` job.")
+    if not isinstance(addresses, list) or not addresses:
+      raise errors.ConfigError(
+          f"TF_CONFIG cluster job {job!r} must be a non-empty list of "
+          f"'host:port' strings. {fix}")
+    for address in addresses:
+      host, _, port = str(address).rpartition(":")
+      if not host or not port.isdigit():
+        raise errors.ConfigError(
+            f"TF_CONFIG address {address!r} of job {job!r} is not 'host:port'.")
+      if address in seen:
+        raise errors.ConfigError(
+            f"TF_CONFIG lists address {address!r} twice; every task needs its "
+            "own port.")
+      seen.add(address)
+  if len(cluster.get("chief", [])) > 1:
+    raise errors.ConfigError("TF_CONFIG may name at most one `chief`.")
+  task = config.get("task")
+  if not isinstance(task, dict):
+    raise errors.ConfigError(f"TF_CONFIG has no `task` object. {fix}")
+  task_type, index = task.get("type"), task.get("index")
+  if task_type not in cluster:
+    raise errors.ConfigError(
+        f"TF_CONFIG task type {task_type!r} is not a job of the cluster "
+        f"({sorted(cluster)}).")
+  if not isinstance(index, int) or isinstance(index, bool):
+    raise errors.ConfigError(
+        f"TF_CONFIG task index must be an integer, got {index!r}.")
+  if not 0 <= index < len(cluster[task_type]):
+    raise errors.ConfigError(
+        f"TF_CONFIG task index {index} is out of range: job {task_type!r} has "
+        f"{len(cluster[task_type])} task(s), so the index must be in "
+        f"[0, {len(cluster[task_type]) - 1}].")
+  return config
+
+
+def num_cluster_workers(config):
+  """Number of training tasks (chief + workers) in a parsed TF_CONFIG."""
+  if not config:
+    return 1
+  cluster = config["cluster"]
+  return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+
+
+def configure_cpu_replicas(n):
+  """Splits the host CPU into `n` logical devices (before TF initialises them).
+
+  Raises:
+    ConfigError: `n` < 1, or TF already initialised its devices with another
+      split (call `make_strategy` before any other TensorFlow work).
+  """
+  if n is None:
+    return
+  if not isinstance(n, int) or n < 1:
+    raise errors.ConfigError(f"cpu_replicas must be a positive integer, got {n!r}.")
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  current = tf.config.get_logical_device_configuration(cpu)
+  if current is not None and len(current) == n:
+    return
+  try:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+  except RuntimeError as e:
+    have = len(tf.config.list_logical_devices("CPU"))
+    raise errors.ConfigError(
+        f"cpu_replicas={n} cannot be applied: TensorFlow has already "
+        f"initialised its devices ({have} logical CPU device(s)). Call "
+        "tfdp.make_strategy(...) at the start of the program, before creating "
+        "any tensor, model or dataset.") from e
+
+
+def communication_options(implementation="auto", *, timeout_seconds=None,
+                          bytes_per_pack=0):
+  """`tf.distribute.experimental.CommunicationOptions` for collective all-reduce."""
+  impls = tf.distribute.experimental.CommunicationImplementation
+  mapping = {"auto": impls.AUTO, "ring": impls.RING, "nccl": impls.NCCL}
+  if implementation not in mapping:
+    raise errors.ConfigError(
+        f"all_reduce={implementation!r} is not available across workers; use "
+        "one of auto, ring, nccl (hierarchical_copy and reduce_to_one are "
+        "single-host MirroredStrategy methods).")
+  if bytes_per_pack is None or bytes_per_pack < 0:
+    raise errors.ConfigError(f"bytes_per_pack must be >= 0, got {bytes_per_pack!r}.")
+  if timeout_seconds is not None and timeout_seconds <= 0:
+    raise errors.ConfigError(
+        f"timeout_seconds must be positive or None, got {timeout_seconds!r}.")
+  return tf.distribute.experimental.CommunicationOptions(
+      bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds,
+      implementation=mapping[implementation])
+
+
+class _CpuReplicasExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+  """Multi-worker extended that mirrors over every logical CPU of a worker.
+
+  Upstream (`CollectiveAllReduceExtended._initialize_local_devices`) uses one
+  CPU device per worker when there is no GPU, so `cpu_replicas` would be
+  ignored under multi-worker. With no GPU, this uses CPU:0..N-1 instead.
+  """
+
+  def __init__(self, container_strategy, cluster_resolver, communication_options,
+               cpu_replicas):
+    self._tfdp_cpu_replicas = cpu_replicas
+    super().__init__(container_strategy, cluster_resolver=cluster_resolver,
+                     communication_options=communication_options)
+
+  def _initialize_local_devices(self, cluster_resolver, worker_device):
+    devices, device_type = super()._initialize_local_devices(
+        cluster_resolver, worker_device)
+    if device_type != "CPU":
+      return devices, device_type
+    return tuple(f"{worker_device}/device:CPU:{i}"
+                 for i in range(self._tfdp_cpu_replicas)), "CPU"
+
+
+class _MultiWorkerCpuReplicasStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+  """`MultiWorkerMirroredStrategy` with `cpu_replicas` replicas per worker."""
+
+  def __init__(self, cpu_replicas, communication_options):
+    # Skips MultiWorkerMirroredStrategy.__init__ only to inject the extended;
+    # the rest of that constructor is usage metrics.
+    distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
+        self, _CpuReplicasExtended(
+            self, cluster_resolver=None,
+            communication_options=communication_options,
+            cpu_replicas=cpu_replicas))
+
+
+def _gpus():
+  return tf.config.list_physical_devices("GPU")
+
+
+def _mirrored_cross_device_ops(all_reduce, devices, options):
+  if all_reduce == "nccl":
+    return tf.distribute.NcclAllReduce()
+  if all_reduce == "hierarchical_copy":
+    return tf.distribute.HierarchicalCopyAllReduce()
+  if all_reduce == "reduce_to_one":
+    return tf.distribute.ReductionToOneDevice()
+  if all_reduce == "ring":
+    from tensorflow.python.distribute import cross_device_ops  # pylint: disable=g-import-not-at-top
+    return cross_device_ops.CollectiveAllReduce(
+        devices=devices, group_size=len(devices), options=options)
+  # auto: NCCL between GPUs, a reduction on one device between CPU replicas.
+  if devices and all("GPU" in d for d in devices):
+    return tf.distribute.NcclAllReduce()
+  return tf.distribute.ReductionToOneDevice()
+
+
+def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
+                  timeout_seconds=None, bytes_per_pack=0):
+  """Creates the `tf.distribute.Strategy` for this process.
+
+  Call it first, before any other TensorFlow work: logical CPU devices and
+  multi-worker collectives can only be configured before TF initialises.
+
+  Args:
+    kind: `auto` (TF_CONFIG with 2+ workers -> multi_worker; else 2+ GPUs or
+      cpu_replicas > 1 -> mirrored; 1 GPU -> one_device; else default),
+      `mirrored`, `multi_worker`, `one_device` or `default`.
+    cpu_replicas: split the host CPU into this many logical devices and
+      mirror over them (replicas per worker under multi_worker). Ignored where
+      GPUs are used.
+    all_reduce: `auto`, `nccl`, `hierarchical_copy`, `reduce_to_one` or
+      `ring`.
+    timeout_seconds: collective timeout (multi_worker and ring), None = none.
+    bytes_per_pack: split gradients into packs of this size for collective
+      all-reduce; 0 lets TF decide.
+
+  Returns:
+    A `tf.distribute.Strategy`.
+
+  Raises:
+    ConfigError: unknown kind or all-reduce, NCCL without GPUs, bad
+      TF_CONFIG, cpu_replicas too late or invalid.
+  """
+  if kind not in KINDS:
+    raise errors.ConfigError(f"Unknown strategy {kind!r}; choose one of {', '.join(KINDS)}.")
+  if all_reduce not in ALL_REDUCE:
+    raise errors.ConfigError(
+        f"Unknown all_reduce {all_reduce!r}; choose one of {', '.join(ALL_REDUCE)}.")
+  gpus = _gpus()
+  if all_reduce == "nccl" and not gpus:
+    raise errors.ConfigError(
+        "all_reduce='nccl' needs GPUs and none is visible; use all_reduce="
+        "'ring' (across workers) or 'reduce_to_one' (between CPU replicas), or "
+        "'auto'.")
+  config = parse_tf_config()
+  workers = num_cluster_workers(config)
+  if kind == "auto":
+    if workers > 1:
+      kind = "multi_worker"
+    elif len(gpus) > 1 or (not gpus and (cpu_replicas or 1) > 1):
+      kind = "mirrored"
+    elif len(gpus) == 1:
+      kind = "one_device"
+    else:
+      kind = "default"
+  if kind == "multi_worker" and config is None:
+    raise errors.ConfigError(
+        "strategy 'multi_worker' needs TF_CONFIG describing the cluster; start "
+        "the workers with `tfdp-launch --num_workers=N -- COMMAND` or set "
+        "TF_CONFIG on each host.")
+  if kind != "multi_worker" and workers > 1:
+    raise errors.ConfigError(
+        f"TF_CONFIG describes {workers} workers but strategy {kind!r} trains on "
+        "one host; use --strategy=multi_worker (or auto), or unset TF_CONFIG.")
+  if not gpus:
+    configure_cpu_replicas(cpu_replicas)
+  elif cpu_replicas:
+    logging.warning("cpu_replicas=%d ignored: %d GPU(s) are used.", cpu_replicas,
+                    len(gpus))
+
+  if kind == "multi_worker":
+    options = communication_options(
+        "auto" if all_reduce == "auto" else all_reduce,
+        timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack)
+    if not gpus and (cpu_replicas or 1) > 1:
+      strategy = _MultiWorkerCpuReplicasStrategy(cpu_replicas, options)
+    else:
+      strategy = tf.distribute.MultiWorkerMirroredStrategy(
+          communication_options=options)
+  elif kind == "mirrored":
+    devices = ([f"/gpu:{i}" for i in range(len(gpus))] if gpus else
+               [d.name for d in tf.config.list_logical_devices("CPU")])
+    if all_reduce in ("nccl",) and not gpus:
+      raise errors.ConfigError("all_reduce='nccl' needs GPUs.")
+    options = communication_options(
+        "ring" if all_reduce == "ring" else "auto",
+        timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack)
+    strategy = tf.distribute.MirroredStrategy(
+        devices=devices,
+        cross_device_ops=_mirrored_cross_device_ops(all_reduce, devices, options))
+  elif kind == "one_device":
+    strategy = tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
+  else:
+    strategy = tf.distribute.get_strategy()
+  logging.info("tfdp strategy: %s, %d replica(s) in sync, all_reduce=%s",
+               type(strategy).__name__, strategy.num_replicas_in_sync, all_reduce)
+  return strategy
+
+
+def worker_info(strategy=None):
+  """(worker index, number of workers) of this process under `strategy`.
+
+  The index is the task's id in the cluster (a `chief` is 0, workers follow);
+  single-host strategies are worker 0 of 1.
+  """
+  extended = (strategy or tf.distribute.get_strategy()).extended
+  num_workers = getattr(extended, "_num_workers", 1)
+  if num_workers <= 1:
+    return 0, 1
+  return int(extended._id_in_cluster), num_workers  # pylint: disable=protected-access
+
+
+def is_chief(strategy=None):
+  """True on the one worker that writes logs and prints progress."""
+  return worker_info(strategy)[0] == 0
