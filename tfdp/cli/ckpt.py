@@ -1,0 +1,211 @@
+"""tfdp-ckpt: list, verify, inspect and export tfdp/TF checkpoints."""
+
+import argparse
+import json
+import os
+import re
+import struct
+import sys
+
+import numpy as np
+
+# Hugging Face safetensors dtype names.
+_SAFETENSORS_DTYPES = {
+    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+    "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "bool": "BOOL",
+}
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+               "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+               "TIB": 2**40}
+_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def parse_size(text):
+  """"5GB" -> 5*10**9, "512MiB" -> 512*2**20 (Hugging Face conventions)."""
+  m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+  if not m or m.group(2).upper() not in _SIZE_UNITS:
+    raise argparse.ArgumentTypeError(
+        f"bad size {text!r}: use e.g. 5GB, 500MB or 1GiB")
+  return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+def _human(n):
+  for unit in ("B", "KB", "MB", "GB", "TB"):
+    if n < 1000 or unit == "TB":
+      return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+    n /= 1000.0
+
+
+def _checkpoints(directory):
+  """(prefix, manifest or None) of every checkpoint in `directory`, by number."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  prefixes = set()
+  for name in tf.io.gfile.listdir(directory):
+    m = re.match(r"^(.+-\d+)\.(index|manifest\.json)$", name)
+    if m:
+      prefixes.add(os.path.join(directory, m.group(1)))
+
+  def number(p):
+    return int(p.rsplit("-", 1)[1])
+  return [(p, manifest_lib.read_manifest(p))
+          for p in sorted(prefixes, key=number)]
+
+
+def cmd_ls(args, out):
+  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  rows = [("CHECKPOINT", "STEP", "SIZE", "SHARDS", "WORLD", "STATUS")]
+  for prefix, man in _checkpoints(args.dir):
+    if man is None:
+      rows.append((os.path.basename(prefix), "-", "-", "-", "-",
+                   "uncommitted (no manifest)"))
+      continue
+    problems = manifest_lib.check_files(prefix, man, checksums=args.checksums)
+    status = "intact" if not problems else "CORRUPT: " + "; ".join(problems)
+    rows.append((os.path.basename(prefix), str(man.get("step")),
+                 _human(man["total_bytes"]), str(man["num_shards"]),
+                 str(man["world_size"]), status))
+  widths = [max(len(r[i]) for r in rows) for i in range(5)]
+  for r in rows:
+    out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5] +
+              "\n")
+  return 0
+
+
+def cmd_verify(args, out):
+  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  problems = manifest_lib.check_files(args.path)
+  if problems:
+    for p in problems:
+      out.write(f"BAD {p}\n")
+    return 1
+  man = manifest_lib.read_manifest(args.path)
+  out.write(f"OK {args.path}: {len(man['files'])} files, "
+            f"{man['total_bytes']} bytes match the manifest\n")
+  return 0
+
+
+def _variables(path):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  reader = tf.train.load_checkpoint(path)
+  shapes = reader.get_variable_to_shape_map()
+  dtypes = reader.get_variable_to_dtype_map()
+  return reader, [(k, shapes[k], dtypes[k]) for k in sorted(shapes)]
+
+
+def cmd_inspect(args, out):
+  _, variables = _variables(args.path)
+  total = 0
+  for key, shape, dtype in variables:
+    nbytes = (int(np.prod(shape, dtype=np.int64)) * dtype.size
+              if dtype.name != "string" else 0)
+    total += nbytes
+    out.write(f"{key}\t{list(shape)}\t{dtype.name}\t{nbytes}\n")
+  out.write(f"# {len(variables)} tensors, {total} bytes\n")
+  return 0
+
+
+def _tensor_name(key):
+  if key.endswith(_VALUE_SUFFIX):
+    key = key[:-len(_VALUE_SUFFIX)]
+  return key.replace("/", ".")
+
+
+def _write_safetensors(path, tensors):
+  """Writes {name: ndarray} in the safetensors format (header JSON + raw bytes)."""
+  header, offset = {}, 0
+  for name, arr in tensors:
+    header[name] = {"dtype": _SAFETENSORS_DTYPES[arr.dtype.name],
+                    "shape": list(arr.shape),
+                    "data_offsets": [offset, offset + arr.nbytes]}
+    offset += arr.nbytes
+  header["__metadata__"] = {"format": "tf"}
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for _, arr in tensors:
+      f.write(np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"),
+                                               copy=False).tobytes())
+
+
+def cmd_export(args, out):
+  if args.format != "safetensors":
+    out.write(f"unsupported --format={args.format}\n")
+    return 2
+  reader, variables = _variables(args.path)
+  shards, cur, size = [], [], 0
+  skipped = []
+  for key, shape, dtype in variables:
+    # Bookkeeping, not weights: the object graph, save counter, per-worker state.
+    if (dtype.name not in _SAFETENSORS_DTYPES or key.startswith("_") or
+        key.startswith("save_counter/")):
+      skipped.append(key)
+      continue
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
+    if cur and size + nbytes > args.max_shard_size:
+      shards.append(cur)
+      cur, size = [], 0
+    cur.append(key)
+    size += nbytes
+  if cur:
+    shards.append(cur)
+  os.makedirs(args.out, exist_ok=True)
+  weight_map, total = {}, 0
+  for k, keys in enumerate(shards):
+    fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+    tensors = [(_tensor_name(key), np.asarray(reader.get_tensor(key)))
+               for key in keys]
+    _write_safetensors(os.path.join(args.out, fname), tensors)
+    for name, arr in tensors:
+      weight_map[name] = fname
+      total += arr.nbytes
+  with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
+              f, indent=2, sort_keys=True)
+  out.write(f"wrote {len(weight_map)} tensors, {total} bytes in {len(shards)} "
+            f"shard(s) to {args.out}; skipped non-numeric: {skipped}\n")
+  return 0
+
+
+def build_parser():
+  p = argparse.ArgumentParser(prog="tfdp-ckpt", description=__doc__)
+  sub = p.add_subparsers(dest="command", required=True)
+  ls = sub.add_parser("ls", help="list checkpoints with step, size, shards, "
+                      "world size and whether intact")
+  ls.add_argument("dir")
+  ls.add_argument("--checksums", action="store_true",
+                  help="also compare checksums (reads every byte)")
+  ls.set_defaults(fn=cmd_ls)
+  v = sub.add_parser("verify", help="exit 0 only if every file matches the "
+                     "manifest")
+  v.add_argument("path", help="checkpoint prefix, e.g. DIR/ckpt-5")
+  v.set_defaults(fn=cmd_verify)
+  i = sub.add_parser("inspect", help="variables, shapes, dtypes, bytes")
+  i.add_argument("path")
+  i.set_defaults(fn=cmd_inspect)
+  e = sub.add_parser("export", help="export to Hugging Face safetensors shards")
+  e.add_argument("path")
+  e.add_argument("out")
+  e.add_argument("--format", default="safetensors", choices=["safetensors"])
+  e.add_argument("--max_shard_size", type=parse_size, default="5GB")
+  e.set_defaults(fn=cmd_export)
+  return p
+
+
+def main(argv=None, out=None):
+  """Runs the tool on `argv` (without the program name); returns the exit code."""
+  args = build_parser().parse_args(argv)
+  return args.fn(args, out or sys.stdout)
+
+
+def run():
+  """Console entry point of `tfdp-ckpt`."""
+  sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+  run()
