@@ -1,0 +1,96 @@
+"""`tfdp-train`: absl flags -> TrainConfig -> tfdp.trainer.run."""
+
+import dataclasses
+import os
+import sys
+
+# C++ INFO/WARNING lines (CUDA probing on CPU hosts, CPU feature notes) drown
+# the progress bar; errors still surface as Python exceptions.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from tfdp import errors
+from tfdp import strategy as strategy_lib
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("model", "cnn", "Model name from the models registry.")
+flags.DEFINE_string("dataset", "synthetic", "Dataset: synthetic.")
+flags.DEFINE_enum("strategy", "auto", list(strategy_lib.KINDS),
+                  "Distribution strategy; auto picks from TF_CONFIG, GPUs and "
+                  "--cpu_replicas.")
+flags.DEFINE_integer("cpu_replicas", None,
+                     "Split the CPU into this many logical devices and mirror "
+                     "over them (replicas per worker under multi_worker).",
+                     lower_bound=1)
+flags.DEFINE_enum("all_reduce", "auto", list(strategy_lib.ALL_REDUCE),
+                  "Gradient all-reduce implementation.")
+flags.DEFINE_float("collective_timeout", None,
+                   "Seconds before a collective op gives up (multi-worker).")
+flags.DEFINE_integer("bytes_per_pack", 0,
+                     "Pack gradients into all-reduces of this many bytes "
+                     "(0: TF decides).", lower_bound=0)
+flags.DEFINE_integer("global_batch_size", 32,
+                     "Examples per step across all replicas; must divide by "
+                     "the replica count.")
+flags.DEFINE_integer("train_steps", 100, "Global step to train to.")
+flags.DEFINE_integer("steps_per_epoch", None,
+                     "Steps per Keras epoch (default: one pass over the data).")
+flags.DEFINE_float("learning_rate", 0.05, "Learning rate of momentum SGD.")
+flags.DEFINE_float("momentum", 0.9, "Momentum of SGD.")
+flags.DEFINE_integer("seed", 0, "Seed of every random choice of the run.")
+flags.DEFINE_bool("deterministic", False,
+                  "Enable TF op determinism (bitwise repeatable on CPU).")
+flags.DEFINE_string("model_dir", None,
+                    "Checkpoints and TensorBoard logs go here; a run resumes "
+                    "from the newest intact checkpoint in it.")
+flags.DEFINE_integer("checkpoint_every_steps", None,
+                     "Save a checkpoint every N global steps (and always at "
+                     "the end).", lower_bound=0)
+flags.DEFINE_bool("async_checkpoint", False,
+                  "Write checkpoints in the background; training blocks only "
+                  "for the copy to host memory.")
+flags.DEFINE_integer("max_to_keep", 5, "Checkpoints to keep.", lower_bound=1)
+flags.DEFINE_integer("max_shard_bytes", None,
+                     "Cap on each checkpoint data file a worker writes.",
+                     lower_bound=1)
+flags.DEFINE_bool("allow_config_mismatch", False,
+                  "Resume from a checkpoint of a run with another global "
+                  "batch size, dataset or seed.")
+flags.DEFINE_integer("num_examples", 2048, "Size of the synthetic dataset.",
+                     lower_bound=1)
+
+
+def config_from_flags():
+  """The TrainConfig the parsed flags describe."""
+  from tfdp.trainer import TrainConfig  # pylint: disable=g-import-not-at-top
+  return TrainConfig(**{f.name: FLAGS[f.name].value
+                        for f in dataclasses.fields(TrainConfig)})
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdp import trainer  # pylint: disable=g-import-not-at-top
+  # TF logs one INFO line per variable and collective; keep the console readable.
+  tf.get_logger().setLevel("WARNING")
+  try:
+    trainer.run(config_from_flags())
+  except errors.TfdpError as e:
+    logging.error("%s", e)
+    print(f"tfdp-train: error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def run():
+  """Console entry point of `tfdp-train`."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,113 @@
+"""What a training state is (variables, step, RNG, run config) and when a saved one fits this run."""
+
+import json
+
+import tensorflow as tf
+
+from tfdp import errors
+
+STATE_VERSION = 1
+RUN_CONFIG_KEY = "run_config/.ATTRIBUTES/VARIABLE_VALUE"
+ITERATIONS_KEY = "optimizer/iteration/.ATTRIBUTES/VARIABLE_VALUE"
+
+# Run-config entries that must match for a resumed run to see the same data
+# and the same updates. Others (world size, replicas) may change on resume.
+MUST_MATCH = ("global_batch_size", "dataset", "seed")
+
+
+def _tree(variables, strip_first=False):
+  """A trackable tree mirroring the variables' Keras paths.
+
+  Keras 3 layers do not track every variable for `tf.train.Checkpoint` (the
+  state of `SeedGenerator`s, such as dropout's, is left out), and the keys of
+  what they do track name layers by position. A tree built from
+  `variable.path` saves all of them under readable, stable keys such as
+  `model/conv2d/kernel/.ATTRIBUTES/VARIABLE_VALUE`.
+  """
+  root = tf.Module()
+  seen = set()
+  for v in variables:
+    parts = v.path.split("/")
+    if strip_first and len(parts) > 1:
+      parts = parts[1:]
+    key = "/".join(parts)
+    if key in seen:
+      raise errors.ConfigError(
+          f"Two variables share the path {key!r}; give the layers distinct names.")
+    seen.add(key)
+    node = root
+    for part in parts[:-1]:
+      child = getattr(node, part, None)
+      if child is None:
+        child = tf.Module()
+        setattr(node, part, child)
+      node = child
+    setattr(node, parts[-1], _tf_variable(v))
+  return root
+
+
+def _tf_variable(v):
+  """The `tf.Variable` behind a Keras variable (which wraps one)."""
+  return v if isinstance(v, tf.Variable) else v.value
+
+
+class TrainState:
+  """The checkpointable state of a Keras training run.
+
+  Holds the model's variables (including non-trainable ones and the RNG state
+  of every `SeedGenerator`), the optimizer's variables (its iteration count
+  is the global step, which also fixes the data position and the learning
+  rate schedule) and the run config as JSON, so that a restore can refuse a
+  checkpoint of another run.
+
+  Create it under the strategy's scope after the model is built; it builds
+  the optimizer's variables if they do not exist yet.
+
+  Args:
+    model: a built `keras.Model`.
+    optimizer: its optimizer (default: `model.optimizer`).
+    run_config: dict describing the run (global_batch_size, dataset, seed,
+      world_size, ...). Saved with the state.
+  """
+
+  def __init__(self, model, optimizer=None, *, run_config=None):
+    self.model = model
+    self.optimizer = optimizer or model.optimizer
+    if self.optimizer is None:
+      raise errors.ConfigError("TrainState needs a compiled model or an optimizer.")
+    if not self.optimizer.built:
+      self.optimizer.build(model.trainable_variables)
+    self.run_config = dict(run_config or {}, state_version=STATE_VERSION)
+    self._config_var = tf.Variable(json.dumps(self.run_config, sort_keys=True),
+                                   trainable=False, name="run_config")
+    self.checkpoint = tf.train.Checkpoint(
+        model=_tree(model.variables),
+        optimizer=_tree(self.optimizer.variables, strip_first=True),
+        run_config=self._config_var)
+
+  @property
+  def step(self):
+    """The global step: optimizer updates applied so far."""
+    return int(self.optimizer.iterations.numpy())
+
+  def check_compatible(self, saved, allow_mismatch=False):
+    """Raises IncompatibleCheckpointError if `saved` (a run config) differs where it must not."""
+    diffs = [f"{k}: checkpoint has {saved.get(k)!r}, this run has {self.run_config.get(k)!r}"
+             for k in MUST_MATCH
+             if k in saved and k in self.run_config and saved[k] != self.run_config[k]]
+    if diffs and not allow_mismatch:
+      raise errors.IncompatibleCheckpointError(
+          "The checkpoint was written by a run with another config ("
+          + "; ".join(diffs) + "). Resuming would not continue that run "
+          "exactly. Use a new --model_dir, or pass "
+          "--allow_config_mismatch (allow_mismatch=True) to load it anyway.")
+    return diffs
+
+
+def read_run_config(path):
+  """The run config stored in the checkpoint at `path` ({} if it has none)."""
+  reader = tf.train.load_checkpoint(path)
+  if not reader.has_tensor(RUN_CONFIG_KEY):
+    return {}
+  raw = reader.get_tensor(RUN_CONFIG_KEY)
+  return json.loads(raw.decode() if isinstance(raw, bytes) else raw)

@@ -1,0 +1,180 @@
+"""One training run from a config: strategy, model, data, restore, fit, checkpoints."""
+
+import dataclasses
+import os
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+import models
+from tfdp import callbacks as tfdp_callbacks
+from tfdp import data
+from tfdp import errors
+from tfdp import state as state_lib
+from tfdp import strategy as strategy_lib
+from tfdp import training
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Everything `run` needs; `tfdp-train`'s flags map onto it one to one."""
+  model: str = "cnn"
+  dataset: str = "synthetic"
+  strategy: str = "auto"
+  cpu_replicas: int | None = None
+  all_reduce: str = "auto"
+  collective_timeout: float | None = None
+  bytes_per_pack: int = 0
+  global_batch_size: int = 32
+  train_steps: int = 100
+  steps_per_epoch: int | None = None
+  learning_rate: float = 0.05
+  momentum: float = 0.9
+  seed: int = 0
+  deterministic: bool = False
+  model_dir: str | None = None
+  checkpoint_every_steps: int | None = None
+  async_checkpoint: bool = False
+  max_to_keep: int | None = 5
+  max_shard_bytes: int | None = None
+  allow_config_mismatch: bool = False
+  num_examples: int = 2048
+
+  def validate(self):
+    """Raises ConfigError for values no run can use."""
+    if self.train_steps < 0:
+      raise errors.ConfigError(f"--train_steps must be >= 0, got {self.train_steps}.")
+    if self.global_batch_size < 1:
+      raise errors.ConfigError(
+          f"--global_batch_size must be >= 1, got {self.global_batch_size}.")
+    if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
+      raise errors.ConfigError(
+          f"--steps_per_epoch must be >= 1, got {self.steps_per_epoch}.")
+    if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 0:
+      raise errors.ConfigError(
+          f"--checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}.")
+    if self.learning_rate <= 0:
+      raise errors.ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+    try:
+      models.get(self.model)
+    except KeyError as e:
+      raise errors.ConfigError(str(e.args[0])) from None
+    if self.dataset != "synthetic":
+      raise errors.ConfigError(
+          f"Unknown --dataset {self.dataset!r}; available: synthetic.")
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What a run leaves behind."""
+  model: object
+  start_step: int
+  step: int
+  checkpoint: str | None
+  histories: list
+
+
+def _source(config, spec):
+  if spec.task == "image_classification":
+    return data.synthetic_images(num_examples=config.num_examples, seed=config.seed)
+  raise errors.ConfigError(f"No synthetic data for task {spec.task!r}.")
+
+
+def _compile(model, config):
+  model.compile(
+      optimizer=keras.optimizers.SGD(config.learning_rate, momentum=config.momentum),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+
+
+def run(config):
+  """Trains as `config` says, resuming from `config.model_dir` if it holds a checkpoint.
+
+  Returns:
+    A TrainResult.
+  """
+  config.validate()
+  if config.deterministic:
+    tf.config.experimental.enable_op_determinism()
+  keras.utils.set_random_seed(config.seed)
+  strategy = strategy_lib.make_strategy(
+      config.strategy, cpu_replicas=config.cpu_replicas,
+      all_reduce=config.all_reduce, timeout_seconds=config.collective_timeout,
+      bytes_per_pack=config.bytes_per_pack)
+  worker, num_workers = strategy_lib.worker_info(strategy)
+  chief = worker == 0
+  if not chief:
+    logging.set_verbosity(logging.WARNING)
+  data.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+
+  spec = models.get(config.model)
+  source = _source(config, spec)
+  steps_per_epoch = config.steps_per_epoch or data.steps_per_epoch(
+      source.num_examples, config.global_batch_size)
+  run_config = {
+      "model": config.model, "dataset": source.name, "seed": config.seed,
+      "global_batch_size": config.global_batch_size,
+      "world_size": num_workers, "replicas": strategy.num_replicas_in_sync,
+  }
+  with strategy.scope():
+    model = spec.build(seed=config.seed)
+    _compile(model, config)
+    train_state = state_lib.TrainState(model, run_config=run_config)
+
+  manager = None
+  if config.model_dir:
+    from tfdp.checkpoint import CheckpointManager  # pylint: disable=g-import-not-at-top
+    manager = CheckpointManager(
+        train_state.checkpoint, config.model_dir,
+        max_to_keep=config.max_to_keep, async_save=config.async_checkpoint,
+        max_shard_bytes=config.max_shard_bytes,
+        global_batch_size=config.global_batch_size, strategy=strategy)
+    latest = manager.latest_checkpoint
+    if latest:
+      diffs = train_state.check_compatible(
+          state_lib.read_run_config(latest), config.allow_config_mismatch)
+      for d in diffs:
+        logging.warning("Resuming despite a config mismatch: %s", d)
+      with strategy.scope():
+        manager.restore(latest)
+      logging.info("Restored %s at step %d.", latest, train_state.step)
+
+  start_step = train_state.step
+  if start_step > config.train_steps:
+    raise errors.ConfigError(
+        f"{config.model_dir} holds a checkpoint at step {start_step}, past "
+        f"--train_steps={config.train_steps}; raise --train_steps or use a new "
+        "--model_dir.")
+
+  cbs = []
+  if manager is not None:
+    cbs.append(tfdp_callbacks.CheckpointEvery(manager, config.checkpoint_every_steps))
+  if chief:
+    cbs.append(tfdp_callbacks.Throughput(config.global_batch_size))
+    if config.model_dir:
+      cbs.append(keras.callbacks.TensorBoard(
+          os.path.join(config.model_dir, "logs"), update_freq=max(1, steps_per_epoch // 4)))
+
+  def make_dataset(first_step):
+    return data.distribute(strategy, source, global_batch_size=config.global_batch_size,
+                           seed=config.seed, start_step=first_step)
+
+  histories = training.fit(
+      model, make_dataset, start_step=start_step, train_steps=config.train_steps,
+      steps_per_epoch=steps_per_epoch, callbacks=cbs,
+      verbose="auto" if chief else 0)
+
+  path = None
+  if manager is not None:
+    step = train_state.step
+    manager.wait_until_finished()
+    latest = manager.latest_checkpoint
+    if latest is None or not latest.endswith(f"-{step}"):
+      manager.save(checkpoint_number=step)
+      manager.wait_until_finished()
+    path = manager.latest_checkpoint
+    manager.close()
+    if chief:
+      logging.info("Final checkpoint at step %d: %s", step, path)
+  return TrainResult(model, start_step, train_state.step, path, histories)
