@@ -3,7 +3,8 @@
 import keras
 
 
-def build(input_shape=(32, 32, 3), num_classes=10, width=16, dropout=0.1, seed=0):
+def build(input_shape=(32, 32, 3), num_classes=10, width=16, dropout=0.1, seed=0,
+          sync_batch_norm=False):
   """Conv-BN-ReLU x2, pooling, dropout and a dense classifier; outputs logits.
 
   Args:
@@ -12,6 +13,8 @@ def build(input_shape=(32, 32, 3), num_classes=10, width=16, dropout=0.1, seed=0
     width: filters of the first conv layer (the second has twice as many).
     dropout: dropout rate before the classifier (its seed makes it resumable).
     seed: seed of the initialisers and of dropout.
+    sync_batch_norm: compute batch statistics over the global batch (all
+      replicas) instead of each replica's slice.
 
   Returns:
     An uncompiled `keras.Model`.
@@ -20,12 +23,12 @@ def build(input_shape=(32, 32, 3), num_classes=10, width=16, dropout=0.1, seed=0
   inputs = keras.Input(shape=input_shape, name="image")
   x = keras.layers.Conv2D(width, 3, padding="same", use_bias=False,
                           kernel_initializer=init(1))(inputs)
-  x = keras.layers.BatchNormalization()(x)
+  x = keras.layers.BatchNormalization(synchronized=sync_batch_norm)(x)
   x = keras.layers.ReLU()(x)
   x = keras.layers.MaxPooling2D()(x)
   x = keras.layers.Conv2D(2 * width, 3, padding="same", use_bias=False,
                           kernel_initializer=init(2))(x)
-  x = keras.layers.BatchNormalization()(x)
+  x = keras.layers.BatchNormalization(synchronized=sync_batch_norm)(x)
   x = keras.layers.ReLU()(x)
   x = keras.layers.GlobalAveragePooling2D()(x)
   x = keras.layers.Dropout(dropout, seed=seed + 3)(x)

@@ -266,8 +266,13 @@ def _parse(argv):
 def run(argv=None):
   """Console entry point of `tfdp-launch`."""
   args, command = _parse(sys.argv[1:] if argv is None else argv)
-  sys.exit(launch(command, args.num_workers, port=args.port,
-                  grace_seconds=args.grace_seconds))
+  try:
+    code = launch(command, args.num_workers, port=args.port,
+                  grace_seconds=args.grace_seconds)
+  except errors.TfdpError as e:
+    print(f"tfdp-launch: error: {e}", file=sys.stderr)
+    code = 2
+  sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""Shared test set-up: quiet TF logs, two logical CPUs in-process, a real multi-worker runner."""
+
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # pylint: disable=g-import-not-at-top
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(REPO, "tests", "workers")
+
+
+def pytest_configure(config):
+  # In-process tests mirror over 2 logical CPUs; this must happen before TF
+  # initialises its devices, i.e. before any test creates a tensor.
+  from tfdp import strategy  # pylint: disable=g-import-not-at-top
+  strategy.configure_cpu_replicas(2)
+
+
+def launch_workers(command, num_workers=2, env=None, timeout=300):
+  """Runs `command` as real local workers through `python -m tfdp.launch`.
+
+  Returns:
+    (exit code, combined output).
+  """
+  full_env = dict(os.environ, **(env or {}))
+  full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  cmd = [sys.executable, "-m", "tfdp.launch", f"--num_workers={num_workers}",
+         "--"] + list(command)
+  proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
+                        check=False)
+  return proc.returncode, proc.stdout.decode("utf-8", errors="replace")
+
+
+@pytest.fixture
+def run_workers():
+  return launch_workers

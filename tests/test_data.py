@@ -1,0 +1,80 @@
+"""Tests of tfdp.data: order is a function of (seed, step), topology-independent, O(1) to resume."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp import data
+from tfdp import errors
+
+G = 16
+
+
+def _src():
+  return data.synthetic_images(num_examples=128, image_shape=(4, 4, 1), num_classes=4, seed=5)
+
+
+def _batches(pipelines, pipeline_id, replicas, steps, start=0, seed=1):
+  ds = data.replica_dataset(
+      _src(), global_batch_size=G, seed=seed, start_step=start,
+      input_context=tf.distribute.InputContext(pipelines, pipeline_id, replicas))
+  return [(x.numpy(), y.numpy()) for x, y in ds.take(steps * replicas // pipelines)]
+
+
+def _global_batches(pipelines, replicas, steps, start=0):
+  """Reassembles the global batch of each step from every pipeline's elements."""
+  local = replicas // pipelines
+  per_pipeline = [_batches(pipelines, p, replicas, steps, start) for p in range(pipelines)]
+  out = []
+  for s in range(steps):
+    parts = [per_pipeline[p][s * local + j] for p in range(pipelines) for j in range(local)]
+    out.append((np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])))
+  return out
+
+
+def test_global_batch_is_the_same_on_every_topology():
+  reference = _global_batches(1, 1, 3)
+  for pipelines, replicas in [(1, 2), (2, 2), (4, 4), (2, 4)]:
+    for (x, y), (rx, ry) in zip(_global_batches(pipelines, replicas, 3), reference):
+      np.testing.assert_array_equal(y, ry)
+      np.testing.assert_array_equal(x, rx)
+
+
+def test_resume_at_step_k_continues_the_sequence():
+  full = _global_batches(2, 2, 6)
+  resumed = _global_batches(2, 2, 3, start=3)
+  for (x, y), (rx, ry) in zip(resumed, full[3:]):
+    np.testing.assert_array_equal(x, rx)
+    np.testing.assert_array_equal(y, ry)
+
+
+def test_each_epoch_is_a_permutation_and_epochs_differ():
+  spe = data.steps_per_epoch(128, G)
+  epochs = [np.concatenate([data.example_indices(e * spe + s, num_examples=128,
+                                                 global_batch_size=G, seed=1).numpy()
+                            for s in range(spe)]) for e in range(2)]
+  for idx in epochs:
+    assert sorted(idx) == list(range(128))
+  assert not np.array_equal(epochs[0], epochs[1])
+  other_seed = np.concatenate([data.example_indices(s, num_examples=128, global_batch_size=G,
+                                                    seed=2).numpy() for s in range(spe)])
+  assert not np.array_equal(epochs[0], other_seed)
+
+
+def test_far_positions_are_reachable_directly():
+  idx = data.example_indices(10**12, num_examples=128, global_batch_size=G, seed=1).numpy()
+  assert len(idx) == G and idx.min() >= 0 and idx.max() < 128
+  (x, _), = _batches(1, 0, 1, 1, start=10**12)
+  assert x.shape == (G, 4, 4, 1)
+
+
+def test_array_source_and_errors():
+  src = data.ArraySource({"a": np.arange(10), "b": np.arange(10) * 2})
+  batch = src.fetch(tf.constant([3, 1], tf.int64))
+  assert batch["a"].numpy().tolist() == [3, 1] and batch["b"].numpy().tolist() == [6, 2]
+  with pytest.raises(errors.ConfigError, match="same length"):
+    data.ArraySource((np.arange(3), np.arange(4)))
+  with pytest.raises(errors.ConfigError, match="positive multiple of the 3 replicas"):
+    data.per_replica_batch_size(16, 3)
+  with pytest.raises(errors.ConfigError, match="fewer than one global batch"):
+    data.steps_per_epoch(10, 16)

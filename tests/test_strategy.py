@@ -1,0 +1,125 @@
+"""Tests of tfdp.strategy: each kind, each bad input, multi-worker cpu_replicas."""
+
+import json
+import sys
+
+import pytest
+import tensorflow as tf
+
+from tfdp import errors
+from tfdp import strategy as S
+from tests.conftest import launch_workers
+
+
+def _tf_config(n=2, index=0):
+  return json.dumps({"cluster": {"worker": [f"localhost:{2000 + i}" for i in range(n)]},
+                     "task": {"type": "worker", "index": index}})
+
+
+@pytest.fixture
+def no_tf_config(monkeypatch):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def test_mirrored_over_cpu_replicas(no_tf_config):
+  s = S.make_strategy("mirrored", cpu_replicas=2)
+  assert isinstance(s, tf.distribute.MirroredStrategy)
+  assert s.num_replicas_in_sync == 2
+  assert S.worker_info(s) == (0, 1)
+
+
+def test_auto_picks_mirrored_with_cpu_replicas_else_default(no_tf_config):
+  assert isinstance(S.make_strategy("auto", cpu_replicas=2), tf.distribute.MirroredStrategy)
+  default = S.make_strategy("auto")
+  assert default is tf.distribute.get_strategy()
+  assert default.num_replicas_in_sync == 1
+
+
+def test_one_device_and_default(no_tf_config):
+  s = S.make_strategy("one_device")
+  assert isinstance(s, tf.distribute.OneDeviceStrategy)
+  assert S.make_strategy("default").num_replicas_in_sync == 1
+
+
+@pytest.mark.parametrize("all_reduce", ["auto", "hierarchical_copy", "reduce_to_one", "ring"])
+def test_mirrored_all_reduce_methods_sum_correctly(no_tf_config, all_reduce):
+  s = S.make_strategy("mirrored", cpu_replicas=2, all_reduce=all_reduce)
+  result = s.run(lambda: tf.distribute.get_replica_context().all_reduce(
+      "SUM", tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32)))
+  assert [float(x) for x in s.experimental_local_results(result)] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kind="bogus"), "Unknown strategy 'bogus'"),
+    (dict(all_reduce="butterfly"), "Unknown all_reduce 'butterfly'"),
+    (dict(all_reduce="nccl"), "needs GPUs and none is visible"),
+    (dict(kind="multi_worker"), "needs TF_CONFIG"),
+    (dict(kind="mirrored", cpu_replicas=3), "already initialised its devices"),
+    (dict(kind="mirrored", cpu_replicas=0), "positive integer"),
+])
+def test_bad_arguments_raise_config_error(no_tf_config, kwargs, match):
+  with pytest.raises(errors.ConfigError, match=match):
+    S.make_strategy(**kwargs)
+
+
+def test_single_host_kind_with_multi_worker_tf_config(monkeypatch):
+  monkeypatch.setenv("TF_CONFIG", _tf_config(2))
+  with pytest.raises(errors.ConfigError, match="describes 2 workers"):
+    S.make_strategy("mirrored", cpu_replicas=2)
+
+
+def test_hierarchical_copy_across_workers_is_refused():
+  with pytest.raises(errors.ConfigError, match="not available across workers"):
+    S.communication_options("hierarchical_copy")
+
+
+@pytest.mark.parametrize("raw, match", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"task": {"type": "worker", "index": 0}}', "no `cluster`"),
+    ('{"cluster": {"worker": ["localhost:1"]}}', "no `task`"),
+    ('{"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}',
+     "is not 'host:port'"),
+    ('{"cluster": {"worker": ["a:1", "a:1"]}, "task": {"type": "worker", "index": 0}}',
+     "twice"),
+    ('{"cluster": {"worker": ["a:1", "a:2"]}, "task": {"type": "worker", "index": 2}}',
+     r"index must be in \[0, 1\]"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}',
+     "not a job of the cluster"),
+    ('{"cluster": {"worker": ["a:1"], "ps": ["a:2"]}, "task": {"type": "worker", "index": 0}}',
+     "parameter servers"),
+    ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}}',
+     "must be an integer"),
+])
+def test_bad_tf_config(monkeypatch, raw, match):
+  monkeypatch.setenv("TF_CONFIG", raw)
+  with pytest.raises(errors.ConfigError, match=match):
+    S.make_strategy("auto")
+
+
+def test_tf_config_parsing():
+  assert S.parse_tf_config("") is None
+  config = S.parse_tf_config(_tf_config(3, 2))
+  assert S.num_cluster_workers(config) == 3
+
+
+WORKER = """
+import sys, tensorflow as tf
+from tfdp import strategy as S
+s = S.make_strategy("auto", cpu_replicas=2, all_reduce="ring", timeout_seconds=60)
+ctx = lambda: tf.distribute.get_replica_context()
+r = s.run(lambda: ctx().all_reduce("SUM", tf.cast(ctx().replica_id_in_sync_group, tf.float32)))
+print("RESULT", type(s).__name__, s.num_replicas_in_sync, S.worker_info(s),
+      [float(x) for x in s.experimental_local_results(r)])
+"""
+
+
+def test_multi_worker_with_two_cpu_replicas_each():
+  code, out = launch_workers([sys.executable, "-c", WORKER], num_workers=2, timeout=120)
+  assert code == 0, out
+  results = sorted(l.split("RESULT ", 1)[1] for l in out.splitlines() if "RESULT " in l)
+  # 4 replicas in sync (2 workers x 2), ids 0..3 sum to 6 on every replica.
+  assert results == [
+      "_MultiWorkerCpuReplicasStrategy 4 (0, 2) [6.0, 6.0]",
+      "_MultiWorkerCpuReplicasStrategy 4 (1, 2) [6.0, 6.0]",
+  ], out
