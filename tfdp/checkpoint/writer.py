@@ -132,10 +132,21 @@ def split_files(items, max_bytes):
 
 
 def snapshot(items):
-  """Copies the values of `items` to host memory so later updates don't leak in."""
+  """Snapshots the values of `items` in host memory so later updates don't leak in.
+
+  A tensor already in host memory is kept as is: it is the result of a
+  ReadVariableOp, and TF's update kernels (assign*, every optimizer apply)
+  copy a variable's buffer before writing when a reader still holds it
+  (copy-on-write), so it cannot change. Other tensors (GPU/TPU) are copied
+  to host memory.
+  """
   out = []
   for it in items:
-    value = it.value.numpy() if isinstance(it.value, tf.Tensor) else it.value
+    value = it.value
+    if isinstance(value, tf.Tensor) and "CPU" in (value.device or "").upper():
+      out.append(it)
+      continue
+    value = value.numpy() if isinstance(value, tf.Tensor) else value
     out.append(dataclasses.replace(it, value=np.array(value, copy=True)))
   return out
 
