@@ -7,7 +7,7 @@ import tensorflow as tf
 from tfdp import errors
 
 STATE_VERSION = 1
-RUN_CONFIG_KEY = "run_config/.ATTRIBUTES/VARIABLE_VALUE"
+RUN_CONFIG_KEY = "run_config/.ATTRIBUTES/py_state"
 ITERATIONS_KEY = "optimizer/iteration/.ATTRIBUTES/VARIABLE_VALUE"
 
 # Run-config entries that must match for a resumed run to see the same data
@@ -51,6 +51,24 @@ def _tf_variable(v):
   return v if isinstance(v, tf.Variable) else v.value
 
 
+class _JsonState(tf.train.experimental.PythonState):
+  """A dict saved as JSON text in the checkpoint.
+
+  A Python-state string, not a tf.Variable: MultiWorkerMirroredStrategy
+  broadcasts every variable's initial value, and collectives carry no strings.
+  """
+
+  def __init__(self, value):
+    self.value = value
+
+  def serialize(self):
+    return json.dumps(self.value, sort_keys=True)
+
+  def deserialize(self, string_value):
+    raw = string_value.decode() if isinstance(string_value, bytes) else string_value
+    self.value = json.loads(raw)
+
+
 class TrainState:
   """The checkpointable state of a Keras training run.
 
@@ -78,12 +96,10 @@ class TrainState:
     if not self.optimizer.built:
       self.optimizer.build(model.trainable_variables)
     self.run_config = dict(run_config or {}, state_version=STATE_VERSION)
-    self._config_var = tf.Variable(json.dumps(self.run_config, sort_keys=True),
-                                   trainable=False, name="run_config")
     self.checkpoint = tf.train.Checkpoint(
         model=_tree(model.variables),
         optimizer=_tree(self.optimizer.variables, strip_first=True),
-        run_config=self._config_var)
+        run_config=_JsonState(self.run_config))
 
   @property
   def step(self):

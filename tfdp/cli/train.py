@@ -1,12 +1,7 @@
 """`tfdp-train`: absl flags -> TrainConfig -> tfdp.trainer.run."""
 
 import dataclasses
-import os
 import sys
-
-# C++ INFO/WARNING lines (CUDA probing on CPU hosts, CPU feature notes) drown
-# the progress bar; errors still surface as Python exceptions.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app
 from absl import flags

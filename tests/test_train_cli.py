@@ -1,0 +1,100 @@
+"""End-to-end tests of tfdp-train: 2 real workers through tfdp-launch, resume, flag errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import REPO, launch_workers
+
+TRAIN = [sys.executable, "-m", "tfdp.cli.train"]
+SMALL = ["--model=cnn", "--dataset=synthetic", "--global_batch_size=32",
+         "--num_examples=512", "--steps_per_epoch=8", "--seed=1"]
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(tmp_path_factory):
+  """One 2-worker MultiWorkerMirroredStrategy run to step 20, then resumed to 30."""
+  model_dir = str(tmp_path_factory.mktemp("mw") / "model")
+  first = launch_workers(TRAIN + SMALL + [
+      "--strategy=multi_worker", "--train_steps=20", "--checkpoint_every_steps=10",
+      f"--model_dir={model_dir}"], num_workers=2, timeout=300)
+  ckpt20 = tf.train.latest_checkpoint(model_dir)
+  second = launch_workers(TRAIN + SMALL + [
+      "--strategy=multi_worker", "--train_steps=30", f"--model_dir={model_dir}"],
+                          num_workers=2, timeout=300)
+  return model_dir, first, ckpt20, second
+
+
+def test_two_workers_train_and_leave_a_standard_checkpoint_at_step_20(two_worker_run):
+  model_dir, (code, out), ckpt20, _ = two_worker_run
+  assert code == 0, out
+  assert ckpt20 == os.path.join(model_dir, "ckpt-20"), out
+  reader = tf.train.load_checkpoint(ckpt20)
+  assert reader.get_tensor("optimizer/iteration/.ATTRIBUTES/VARIABLE_VALUE") == 20
+  assert reader.get_tensor("model/conv2d/kernel/.ATTRIBUTES/VARIABLE_VALUE").shape == (3, 3, 3, 16)
+  # Both workers wrote a part of it.
+  assert sorted(f for f in os.listdir(model_dir) if f.startswith("ckpt-20.data")) == [
+      "ckpt-20.data-00000-of-00002", "ckpt-20.data-00001-of-00002"]
+  # Only the chief prints the progress bar and the final path.
+  assert "[worker 0] Epoch 1/" in out and "[worker 1] Epoch" not in out
+  assert "Final checkpoint at step 20" in out
+
+
+def test_rerun_resumes_from_the_checkpoint(two_worker_run):
+  model_dir, _, _, (code, out) = two_worker_run
+  assert code == 0, out
+  assert "Restored" in out and "at step 20" in out
+  # Steps 20..23 finish epoch 3 (8 steps each), steps 24..29 are a short epoch 4.
+  assert "Epoch 3/3" in out and "Epoch 4/4" in out and "Epoch 1/" not in out
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(model_dir))
+  assert reader.get_tensor("optimizer/iteration/.ATTRIBUTES/VARIABLE_VALUE") == 30
+
+
+def test_mirrored_run_matches_the_first_losses_of_the_two_worker_run(two_worker_run, tmp_path):
+  # 2 workers x 1 replica and 1 worker x 2 replicas see the same global batches.
+  _, (_, out), _, _ = two_worker_run
+  proc = subprocess.run(TRAIN + SMALL + ["--strategy=mirrored", "--cpu_replicas=2",
+                                         "--train_steps=8"],
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+                        timeout=300, check=False)
+  mirrored = proc.stdout.decode()
+  assert proc.returncode == 0, mirrored
+
+  def first_epoch_loss(text):
+    epoch1 = text.split("Epoch 2/", 1)[0]  # Keras prints no "Epoch 1/1" header
+    line = [l for l in epoch1.splitlines() if "8/8" in l][-1]
+    return float(line.rsplit("loss: ", 1)[1].split()[0])
+
+  np.testing.assert_allclose(first_epoch_loss(out), first_epoch_loss(mirrored), rtol=1e-3)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--strategy=mirrored", "--cpu_replicas=2", "--global_batch_size=33"],
+     "must be a positive multiple of the 2 replicas"),
+    (["--model=nope"], "Unknown model 'nope'"),
+    (["--strategy=multi_worker"], "needs TF_CONFIG"),
+    (["--all_reduce=nccl"], "needs GPUs"),
+    (["--dataset=imagenet"], "Unknown --dataset"),
+])
+def test_bad_flags_give_a_clear_error(flags, message):
+  env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+  proc = subprocess.run(TRAIN + ["--train_steps=1"] + flags, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, cwd=REPO, timeout=120, env=env, check=False)
+  out = proc.stdout.decode()
+  assert proc.returncode == 2, out
+  assert message in out
+  assert "Traceback" not in out
+
+
+def test_bad_tf_config_gives_a_clear_error():
+  env = dict(os.environ, TF_CONFIG='{"cluster": {"worker": ["localhost:1"]}, '
+                                   '"task": {"type": "worker", "index": 3}}')
+  proc = subprocess.run(TRAIN + ["--train_steps=1"], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, cwd=REPO, timeout=120, env=env, check=False)
+  out = proc.stdout.decode()
+  assert proc.returncode == 2 and "index 3 is out of range" in out and "Traceback" not in out
