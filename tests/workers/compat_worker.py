@@ -1,0 +1,184 @@
+"""Worker of tests/test_compat.py: Keras fit/evaluate/predict under a real MultiWorkerMirroredStrategy.
+
+Usage (one process per worker, each with its TF_CONFIG, e.g. through
+`python -m tfdp.launch --num_workers=2 --`):
+
+  compat_worker.py OUT_DIR PART[,PART...]
+
+Parts:
+  seq    a Dense model, steps_per_execution=1: fit (4 steps x 2 epochs),
+         evaluate and predict on 70 rows (a partial last batch); the same fit
+         without a strategy from the same initial weights is the reference.
+  multi  a model with dict inputs, two outputs and BatchNormalization,
+         steps_per_execution=2: fit, evaluate, predict.
+  probe_fit, probe_spe, probe_bn
+         one short fit (steps_per_execution=1; =2; with BatchNormalization).
+
+Each worker writes OUT_DIR/worker<i>.npz. `TFDP_COMPAT_DISABLE` (read when
+tfdp is imported) turns fixes off; an error exits non-zero.
+"""
+
+import faulthandler
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np
+import tensorflow as tf
+import keras
+
+from tfdp import compat
+
+# A worker stuck in a collective after its peer died must not hang the test.
+faulthandler.dump_traceback_later(240, exit=True)
+
+FIT_ROWS = 64  # 4 global batches of 16: every replica gets 8 rows.
+EVAL_ROWS = 70  # the last batch of 6 is split across the workers.
+BATCH = 16
+EPOCHS = 2
+
+
+def _data(rows):
+  rng = np.random.RandomState(0)
+  x = rng.uniform(-1, 1, size=(rows, 4)).astype("float32")
+  y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.25)
+  return x, y
+
+
+def _dense_model():
+  return keras.Sequential([
+      keras.Input((4,)),
+      keras.layers.Dense(8, activation="tanh"),
+      keras.layers.Dense(1),
+  ])
+
+
+def _compile(model, steps_per_execution=1, **kwargs):
+  model.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False,
+                steps_per_execution=steps_per_execution, **kwargs)
+
+
+def run_seq(strategy, out):
+  """Dense model, steps_per_execution=1, checked against a no-strategy run."""
+  x, y = _data(FIT_ROWS)
+  xe, ye = _data(EVAL_ROWS)
+  keras.utils.set_random_seed(1)
+  with strategy.scope():
+    model = _dense_model()
+    _compile(model, loss="mse", metrics=["mae"])
+  initial = model.get_weights()
+  history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                      verbose=0)
+  out["seq_loss"] = np.array(history.history["loss"])
+  out["seq_eval"] = np.array(model.evaluate(xe, ye, batch_size=BATCH,
+                                            verbose=0))
+  out["seq_pred"] = model.predict(xe, batch_size=BATCH, verbose=0)
+  out["seq_direct"] = model(xe).numpy()
+  for i, w in enumerate(model.get_weights()):
+    out[f"seq_w{i}"] = w
+
+  # The same training without a strategy: one replica, global batches of 16.
+  reference = _dense_model()
+  reference.set_weights(initial)
+  _compile(reference, loss="mse", metrics=["mae"])
+  reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                verbose=0)
+  out["seq_ref_eval"] = np.array(reference.evaluate(xe, ye, batch_size=BATCH,
+                                                    verbose=0))
+  for i, w in enumerate(reference.get_weights()):
+    out[f"seq_ref_w{i}"] = w
+
+
+def run_multi(strategy, out):
+  """Dict inputs, two outputs, BatchNormalization, steps_per_execution=2."""
+  x, y = _data(FIT_ROWS)
+  xe, ye = _data(EVAL_ROWS)
+
+  def inputs(x):
+    return {"a": x, "b": x[:, :2] * x[:, 2:]}
+
+  def targets(x, y):
+    return {"y": y, "z": x[:, 1:3]}
+
+  keras.utils.set_random_seed(2)
+  with strategy.scope():
+    a = keras.Input((4,), name="a")
+    b = keras.Input((2,), name="b")
+    h = keras.layers.Dense(8, activation="relu")(a)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Concatenate()([h, b])
+    model = keras.Model({"a": a, "b": b}, {
+        "y": keras.layers.Dense(1, name="y")(h),
+        "z": keras.layers.Dense(2, name="z")(h),
+    })
+    _compile(model, steps_per_execution=2, loss={"y": "mse", "z": "mse"},
+             metrics={"y": ["mae"]})
+  history = model.fit(inputs(x), targets(x, y), batch_size=BATCH,
+                      epochs=1, shuffle=False, verbose=0)
+  out["multi_loss"] = np.array(history.history["loss"])
+  logs = model.evaluate(inputs(xe), targets(xe, ye), batch_size=BATCH,
+                        verbose=0, return_dict=True)
+  for k, v in logs.items():
+    out[f"multi_eval_{k}"] = np.array(v)
+  pred = model.predict(inputs(xe), batch_size=BATCH, verbose=0)
+  direct = model(inputs(xe))
+  for k in ("y", "z"):
+    out[f"multi_pred_{k}"] = pred[k]
+    out[f"multi_direct_{k}"] = direct[k].numpy()
+  for i, w in enumerate(model.get_weights()):
+    out[f"multi_w{i}"] = w
+  bn = next(l for l in model.layers
+            if isinstance(l, keras.layers.BatchNormalization))
+  out["multi_bn_moving_mean"] = bn.moving_mean.numpy()
+  out["multi_bn_moving_variance"] = bn.moving_variance.numpy()
+
+
+def _probe_fit(strategy, out, steps_per_execution, batch_norm=False):
+  """The smallest fit that shows one fix is needed: 1 epoch of 4 steps."""
+  x, y = _data(FIT_ROWS)
+  with strategy.scope():
+    layers = [keras.Input((4,)), keras.layers.Dense(4)]
+    if batch_norm:
+      layers.append(keras.layers.BatchNormalization())
+    model = keras.Sequential(layers + [keras.layers.Dense(1)])
+    _compile(model, steps_per_execution=steps_per_execution, loss="mse")
+  model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+  for i, w in enumerate(model.get_weights()):
+    out[f"probe_w{i}"] = w
+
+
+PARTS = {
+    "seq": run_seq,
+    "multi": run_multi,
+    # Cheap runs for the tests that disable one fix each.
+    "probe_fit": lambda s, out: _probe_fit(s, out, 1),
+    "probe_spe": lambda s, out: _probe_fit(s, out, 2),
+    "probe_bn": lambda s, out: _probe_fit(s, out, 1, batch_norm=True),
+}
+
+
+def main(argv):
+  out_dir, parts = argv[1], argv[2].split(",")
+  compat.apply()  # Idempotent; `import tfdp` already did it.
+  print("compat fixes applied:", sorted(compat.applied()), flush=True)
+  tf.config.threading.set_inter_op_parallelism_threads(1)
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  strategy = tf.distribute.MultiWorkerMirroredStrategy(
+      communication_options=tf.distribute.experimental.CommunicationOptions(
+          implementation=tf.distribute.experimental.CommunicationImplementation
+          .RING))
+  task = strategy.cluster_resolver.task_id
+  out = {}
+  for part in parts:
+    PARTS[part](strategy, out)
+    print(f"part {part} done", flush=True)
+  np.savez(os.path.join(out_dir, f"worker{task}.npz"), **out)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
