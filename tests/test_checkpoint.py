@@ -266,6 +266,8 @@ def test_retention_keep_last_hours_best(tmp_path):
   e = [retention.Entry(f"c{i}", i, 1800.0 * i, {"loss": l})
        for i, l in enumerate([5.0, 1.0, 4.0, 3.0, 2.0, 6.0])]
   assert retention.keep_last(e, 2) == {"c4", "c5"}
+  # Fewer checkpoints than max_to_keep: all stay.
+  assert retention.keep_last(e[:3], 5) == {"c0", "c1", "c2"}
   assert retention.keep_every_n_hours(e, 1.0) == {"c0", "c2", "c4"}
   assert retention.keep_best(e, ("loss", "min", 2)) == {"c1", "c4"}
   assert retention.keep_best(e, ("loss", "max", 1)) == {"c5"}

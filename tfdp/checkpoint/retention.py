@@ -17,7 +17,7 @@ def keep_last(entries, n):
   entries = sorted(entries, key=lambda e: e.number)
   if n is None:
     return {e.prefix for e in entries}
-  return {e.prefix for e in entries[len(entries) - n:]} if n > 0 else set()
+  return {e.prefix for e in entries[max(0, len(entries) - n):]} if n > 0 else set()
 
 
 def keep_every_n_hours(entries, hours):
