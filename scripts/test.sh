@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates .venv if missing, installs tfdp with its test dependencies, runs the whole test suite.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -k launch`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+echo "==> installing tfdp[test] into .venv"
+.venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
+.venv/bin/python -m pip install --quiet -e ".[test]"
+
+echo "==> running the test suite"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+set +e
+.venv/bin/python -m pytest tests/ -q -p no:cacheprovider --durations=15 "$@"
+code=$?
+set -e
+if [ "$code" -eq 5 ]; then
+  echo "pytest collected no tests" >&2
+fi
+exit "$code"
