@@ -1,6 +1,10 @@
 """`fit` that starts at any global step: Keras epochs cut so the data position is exact."""
 
+import contextlib
 import dataclasses
+import functools
+
+import keras
 
 from tfdp import errors
 
@@ -42,28 +46,100 @@ def plan(start_step, train_steps, steps_per_epoch):
   return segments
 
 
-def fit(model, make_dataset, *, start_step, train_steps, steps_per_epoch,
-        callbacks=None, verbose="auto", **fit_kwargs):
-  """Trains `model` from global step `start_step` to `train_steps`.
+def fit(model, make_dataset, *, steps_per_epoch, epochs=None, train_steps=None,
+        start_step=None, callbacks=None, verbose="auto", **fit_kwargs):
+  """`model.fit` that starts at any global step, with its data exactly there.
+
+  The smallest change to a Keras script for an exact resume: replace
+  `model.fit(dataset, epochs=E, steps_per_epoch=S, callbacks=cbs)` by
+  `tfdp.fit(model, make_dataset, epochs=E, steps_per_epoch=S, callbacks=cbs)`
+  where `make_dataset(step)` returns the dataset from global step `step` on
+  (e.g. `lambda step: tfdp.data.distribute(strategy, source, ...,
+  start_step=step)`). A `tfdp.callbacks.BackupAndRestore` among `callbacks`
+  restores its backup before the dataset is made.
 
   Args:
-    model: a compiled Keras model, restored to `start_step`.
+    model: a compiled Keras model.
     make_dataset: `fn(first_step) -> dataset` whose element n is the batch of
       global step `first_step + n` (e.g. `tfdp.data.distribute`).
-    start_step: the step the model is at (the optimizer's iterations).
-    train_steps: the step to stop at.
     steps_per_epoch: steps of a full epoch.
-    callbacks: Keras callbacks, shared by every segment.
+    epochs: train to the end of this epoch (or pass `train_steps`).
+    train_steps: the global step to stop at (or pass `epochs`).
+    start_step: the step the model is at; None: restore any BackupAndRestore
+      callback, then read the optimizer's iterations.
+    callbacks: Keras callbacks, shared by every `model.fit` call.
     verbose: Keras verbosity.
     **fit_kwargs: passed to every `model.fit` call.
 
   Returns:
-    The History of each `model.fit` call made.
+    The History of each `model.fit` call made (a run resumed mid-epoch makes
+    one for the rest of that epoch, then one for the remaining epochs).
+    Training ends early when a callback sets `model.stop_training`.
   """
+  if (epochs is None) == (train_steps is None):
+    raise errors.ConfigError("Pass exactly one of epochs= and train_steps= to tfdp.fit.")
+  if train_steps is None:
+    train_steps = epochs * steps_per_epoch
+  callbacks = list(callbacks or [])
+  # pylint: disable=g-import-not-at-top
+  from tfdp import callbacks as tfdp_callbacks
+  # pylint: enable=g-import-not-at-top
+  backups = [c for c in callbacks if isinstance(c, tfdp_callbacks.BackupAndRestore)]
+  for backup in backups:
+    backup._target_step = train_steps  # pylint: disable=protected-access
+  if start_step is None:
+    for backup in backups:
+      backup.restore(model)
+    start_step = int(model.optimizer.iterations.numpy())
   histories = []
   for seg in plan(start_step, train_steps, steps_per_epoch):
+    # Keras's own BackupAndRestore leaves this set; it would override ours.
+    model._initial_epoch = None  # pylint: disable=protected-access
     histories.append(model.fit(
         make_dataset(seg.first_step), initial_epoch=seg.first_epoch,
         epochs=seg.last_epoch, steps_per_epoch=seg.steps, callbacks=callbacks,
         verbose=verbose, shuffle=False, **fit_kwargs))
+    if getattr(model, "stop_training", False):
+      break
   return histories
+
+
+@contextlib.contextmanager
+def replica_consistent_variables(strategy):
+  """Builds models whose non-trainable state is the same on every replica.
+
+  Keras 3 creates layer weights with `aggregation="none"`. Under
+  MirroredStrategy, a replica-context assign to such a variable (the moving
+  mean and variance of BatchNormalization during `fit`) updates only that
+  replica's copy (tensorflow/python/distribute/values.py
+  `_on_write_update_replica`), and a checkpoint keeps replica 0's. Under
+  multi-worker MultiWorkerMirroredStrategy `tfdp.compat` averages them over
+  all replicas instead, so 1 worker x 2 replicas and 2 workers x 1 replica
+  would end with different statistics. Inside this context, floating-point
+  non-trainable weights created with the default aggregation get
+  `aggregation="mean"` whenever `strategy` has more than one replica, which
+  makes every topology compute the same (and makes a resumed run
+  bitwise equal whatever topology it resumes on).
+  """
+  if strategy.num_replicas_in_sync <= 1:
+    yield
+    return
+  layer_cls = keras.layers.Layer
+  original = layer_cls.__dict__["add_weight"]
+
+  @functools.wraps(original)
+  def add_weight(self, *args, **kwargs):
+    if (not kwargs.get("trainable", True)
+        and kwargs.get("aggregation", "none") in ("none", None)):
+      dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+      dtype = (keras.backend.standardize_dtype(dtype)
+               if dtype is not None else self.variable_dtype)
+      if "float" in dtype:
+        kwargs["aggregation"] = "mean"
+    return original(self, *args, **kwargs)
+
+  layer_cls.add_weight = add_weight
+  try:
+    yield
+  finally:
+    layer_cls.add_weight = original
