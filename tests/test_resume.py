@@ -70,12 +70,13 @@ def _children(pid):
     return [int(p) for p in f.read().split()]
 
 
-def interrupt(model_dir, how, *, after_step=20, grace_seconds=10):
+def interrupt(model_dir, how, *, after_step=20, grace_seconds=10, flags=()):
   """Starts a 2-worker run, interrupts it past checkpoint `after_step`, returns (code, output).
 
   how: "sigkill_worker" (SIGKILL to worker 1), "sigterm_worker" (SIGTERM to
   worker 1 only), "sigterm" or "sigint" (to the launcher, which forwards it
-  to every worker, like Ctrl-C in a terminal).
+  to every worker, like Ctrl-C in a terminal), or `fn(launcher, worker_pids,
+  log_path)` that does the interrupting.
   """
   env = dict(os.environ, TFDP_TEST_SLOW_FROM=str(after_step),
              TFDP_TEST_STEP_SLEEP="0.4", TF_CPP_MIN_LOG_LEVEL="2")
@@ -84,7 +85,7 @@ def interrupt(model_dir, how, *, after_step=20, grace_seconds=10):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tfdp.launch", "--num_workers=2",
          f"--grace_seconds={grace_seconds}", "--"] + SLOWABLE + MULTI_WORKER +
-        [f"--model_dir={model_dir}"],
+        [f"--model_dir={model_dir}"] + list(flags),
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
       deadline = time.monotonic() + 240
@@ -93,7 +94,9 @@ def interrupt(model_dir, how, *, after_step=20, grace_seconds=10):
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.1)
       time.sleep(1.0)  # a few (slowed) steps past the checkpoint
-      if how in ("sigkill_worker", "sigterm_worker"):
+      if callable(how):
+        how(proc, _children(proc.pid), log_path)
+      elif how in ("sigkill_worker", "sigterm_worker"):
         workers = _children(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL if how == "sigkill_worker" else signal.SIGTERM)
@@ -149,7 +152,7 @@ def test_sigterm_or_ctrl_c_saves_agreed_step_and_rerun_is_bitwise_equal(
   code, out = interrupt(model_dir, how)
   # Every worker saved at the step they agreed on and exited with the
   # preemption code (which tfdp-launch reports as a worker failure).
-  assert f"exited with code {preemption.EXIT_PREEMPTED}" in out, out[-5000:]
+  assert f"code {preemption.EXIT_PREEMPTED}" in out, out[-5000:]
   assert code != 0
   steps = committed_steps(model_dir)
   stop = max(steps)
