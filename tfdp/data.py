@@ -1,6 +1,8 @@
 """Deterministic, position-addressable input: the batch at step k is a pure function of (seed, k)."""
 
 import dataclasses
+import os
+import struct
 
 import numpy as np
 import tensorflow as tf
@@ -49,6 +51,136 @@ class FunctionSource:
 
   def fetch(self, indices):
     return self.fn(indices)
+
+
+def tfrecord_index(paths):
+  """(file, offset, length) of every record of uncompressed TFRecord files, in order.
+
+  Reads only the 12-byte record headers (seeking past the data), once.
+
+  Raises:
+    ConfigError: a file is not an uncompressed TFRecord file.
+  """
+  files, offsets, lengths = [], [], []
+  for file_id, path in enumerate(paths):
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+      pos = 0
+      while pos < size:
+        header = f.read(12)
+        length = struct.unpack("<Q", header[:8])[0] if len(header) == 12 else -1
+        if length < 0 or pos + 12 + length + 4 > size:
+          raise errors.ConfigError(
+              f"{path} is not an uncompressed TFRecord file (bad record header at "
+              f"byte {pos}); random access needs uncompressed records. For "
+              "compressed files use tfdp.data.DatasetSource(lambda: "
+              "tf.data.TFRecordDataset(paths, compression_type=...).map(parse), "
+              "num_examples=...), which resumes by skipping (O(k)).")
+        files.append(file_id)
+        offsets.append(pos + 12)
+        lengths.append(length)
+        pos += 12 + length + 4
+        f.seek(pos)
+  return (np.asarray(files, np.int64), np.asarray(offsets, np.int64),
+          np.asarray(lengths, np.int64))
+
+
+class TFRecordSource:
+  """Records of uncompressed TFRecord files, read at any position in O(1).
+
+  An index of record offsets (`tfrecord_index`, built once when the source
+  is made) turns example i into one seek and read, so resuming at step k
+  reads no record before it. Example i is the i-th record of `paths` taken
+  in order.
+
+  Args:
+    paths: TFRecord files (a list, or one path).
+    parse: `fn(records) -> batched structure`, records being a string
+      vector, e.g. `lambda r: tf.io.parse_example(r, features)`.
+    name: identity of the data, recorded in checkpoints (default: the file
+      names and the record count).
+  """
+
+  def __init__(self, paths, parse, name=None):
+    self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not self.paths:
+      raise errors.ConfigError("TFRecordSource needs at least one file.")
+    self.paths = [os.fspath(p) for p in self.paths]
+    self.parse = parse
+    self._files, self._offsets, self._lengths = tfrecord_index(self.paths)
+    self.name = name or "tfrecord:{}:{}".format(
+        ",".join(os.path.basename(p) for p in self.paths), self.num_examples)
+
+  @property
+  def num_examples(self):
+    return len(self._offsets)
+
+  def _read(self, indices):
+    out = np.empty(len(indices), dtype=object)
+    order = np.argsort(self._files[indices], kind="stable")
+    handle, current = None, None
+    try:
+      for j in order:
+        i = indices[j]
+        file_id = self._files[i]
+        if file_id != current:
+          if handle:
+            handle.close()
+          handle, current = open(self.paths[file_id], "rb"), file_id
+        handle.seek(self._offsets[i])
+        out[j] = handle.read(self._lengths[i])
+    finally:
+      if handle:
+        handle.close()
+    return out
+
+  def fetch(self, indices):
+    records = tf.numpy_function(self._read, [indices], tf.string, stateful=False)
+    records.set_shape([None])
+    return self.parse(records)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSource:
+  """Any deterministic `tf.data.Dataset` of single examples: the documented O(k) fallback.
+
+  The data cannot be addressed by position, so the order is the dataset's
+  own, repeated every epoch (the `seed` and `shuffle` of the pipeline are
+  not used), and starting at global step k skips k * global_batch_size
+  examples: resuming costs O(k). Every worker reads the whole stream and
+  keeps its replicas' slices, so the global batch at step k is the same on
+  any topology. `make_dataset` must give the same order on every call and
+  every worker (no unseeded shuffle, no non-deterministic interleave).
+
+  Attributes:
+    make_dataset: `fn() -> tf.data.Dataset` of single (unbatched) examples.
+    num_examples: examples in one pass.
+    name: identity of the data, recorded in checkpoints.
+  """
+  make_dataset: object
+  num_examples: int
+  name: str = "dataset"
+
+  def replica_dataset(self, *, global_batch_size, start_step, input_context,
+                      transform=None):
+    """The per-replica batches of this pipeline's replicas from `start_step` on."""
+    replicas = input_context.num_replicas_in_sync
+    per_replica = global_batch_size // replicas
+    local = replicas // input_context.num_input_pipelines
+    first = input_context.input_pipeline_id * local
+    ds = self.make_dataset().repeat().skip(start_step * global_batch_size)
+    ds = ds.batch(global_batch_size, drop_remainder=True)
+
+    def split(offset, batch):
+      step = start_step + offset
+      parts = [tf.nest.map_structure(lambda t, r=r: t[r * per_replica:(r + 1) * per_replica],
+                                     batch) for r in range(first, first + local)]
+      if transform:
+        parts = [transform(p, step) for p in parts]
+      return tf.data.Dataset.from_tensor_slices(
+          tf.nest.map_structure(lambda *xs: tf.stack(xs), *parts))
+
+    return ds.enumerate().flat_map(split)
 
 
 def steps_per_epoch(num_examples, global_batch_size):
@@ -116,8 +248,9 @@ def replica_dataset(source, *, global_batch_size, seed, start_step=0,
   worker. The dataset is infinite; the caller decides how many steps to run.
 
   Args:
-    source: an `ArraySource`, `FunctionSource` or anything with
-      `num_examples` and `fetch(indices)`.
+    source: an `ArraySource`, `FunctionSource`, `TFRecordSource` or anything
+      with `num_examples` and `fetch(indices)` (O(1) resume), or a
+      `DatasetSource` (O(k) resume by skipping).
     global_batch_size: examples per step across all replicas.
     seed: int seed of the order.
     start_step: first global step; resuming costs O(1) in it.
@@ -142,6 +275,15 @@ def replica_dataset(source, *, global_batch_size, seed, start_step=0,
   steps_per_epoch(source.num_examples, global_batch_size)
   local = num_replicas // pipelines
   first_replica = input_context.input_pipeline_id * local
+  options = tf.data.Options()
+  options.deterministic = True
+  options.experimental_distribute.auto_shard_policy = (
+      tf.data.experimental.AutoShardPolicy.OFF)
+  if isinstance(source, DatasetSource):
+    return (source.replica_dataset(
+        global_batch_size=global_batch_size, start_step=start_step,
+        input_context=input_context, transform=transform)
+            .prefetch(tf.data.AUTOTUNE).with_options(options))
 
   def load(k):
     step = start_step + k // local
@@ -153,10 +295,6 @@ def replica_dataset(source, *, global_batch_size, seed, start_step=0,
     batch = source.fetch(indices)
     return transform(batch, step) if transform else batch
 
-  options = tf.data.Options()
-  options.deterministic = True
-  options.experimental_distribute.auto_shard_policy = (
-      tf.data.experimental.AutoShardPolicy.OFF)
   return (tf.data.Dataset.counter(dtype=tf.int64)
           .map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
           .prefetch(tf.data.AUTOTUNE)
