@@ -1,30 +1,49 @@
-"""Tests of tfdp-launch with real processes: TF_CONFIG, output prefixes, failures, signals."""
+"""Tests of tfdp-launch with real processes: TF_CONFIG, output, failures, signals, restarts, hangs, elastic slots."""
 
+import io
 import json
 import os
 import signal
-import subprocess
 import sys
+import threading
 import time
 
+import pytest
+
 from tfdp import launch
-from tests.conftest import REPO
+from tests.conftest import WORKERS
 
 PY = sys.executable
+FAKE = os.path.join(WORKERS, "ft_fake.py")
 
 
-def _launch(args, **kw):
-  return subprocess.run([PY, "-m", "tfdp.launch"] + args, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, cwd=REPO, timeout=60, check=False, **kw)
+def _run_cli(argv, capsys):
+  """Runs `tfdp-launch ARGV` in this process; returns (exit code, stdout + stderr)."""
+  with pytest.raises(SystemExit) as exit_info:
+    launch.run(argv)
+  captured = capsys.readouterr()
+  return exit_info.value.code, captured.out + captured.err
 
 
-def test_each_worker_gets_its_own_tf_config_and_prefixed_output():
-  proc = _launch(["--num_workers=3", "--", PY, "-c",
-                  "import os; print(os.environ['TF_CONFIG'])"])
-  assert proc.returncode == 0
-  lines = proc.stdout.decode().splitlines()
+def _fake(tmp_path, script, num_workers=2, **kw):
+  """Runs the fake worker under launch(); returns (code, output, runs by attempt)."""
+  out = io.StringIO()
+  code = launch.launch([PY, FAKE, str(tmp_path), script], num_workers, out=out,
+                       grace_seconds=5, **kw)
+  runs = {}
+  path = tmp_path / "runs.jsonl"
+  for line in (path.read_text().splitlines() if path.exists() else []):
+    r = json.loads(line)
+    runs.setdefault(r["attempt"], []).append(r)
+  return code, out.getvalue(), runs
+
+
+def test_each_worker_gets_its_own_tf_config_and_prefixed_output(capsys):
+  code, out = _run_cli(["--num_workers=3", "--", PY, "-c",
+                        "import os; print(os.environ['TF_CONFIG'])"], capsys)
+  assert code == 0
   configs = {}
-  for line in lines:
+  for line in out.splitlines():
     prefix, _, body = line.partition("] ")
     configs[int(prefix.split()[-1])] = json.loads(body)
   assert sorted(configs) == [0, 1, 2]
@@ -36,27 +55,37 @@ def test_each_worker_gets_its_own_tf_config_and_prefixed_output():
     assert c["task"] == {"type": "worker", "index": i}
 
 
-def test_a_failing_worker_stops_the_others_and_is_named():
+def test_a_failing_worker_stops_the_others_and_is_named(capsys):
   script = ("import os, sys, time\n"
             "if os.environ['TFDP_WORKER_INDEX'] == '1':\n"
             "  time.sleep(0.5); sys.exit(7)\n"
             "time.sleep(120)\n")
   start = time.monotonic()
-  proc = _launch(["--num_workers=2", "--", PY, "-c", script])
+  code, out = _run_cli(["--num_workers=2", "--", PY, "-c", script], capsys)
   assert time.monotonic() - start < 30
-  out = proc.stdout.decode()
-  assert proc.returncode == launch.EXIT_WORKER_FAILED
+  assert code == launch.EXIT_WORKER_FAILED
   assert "worker 1 exited with code 7" in out
 
 
-def test_a_killed_worker_is_reported_with_its_signal():
+def test_a_killed_worker_is_reported_with_its_signal(capsys):
   script = ("import os, signal, time\n"
             "if os.environ['TFDP_WORKER_INDEX'] == '0':\n"
             "  os.kill(os.getpid(), signal.SIGKILL)\n"
             "time.sleep(120)\n")
-  proc = _launch(["--num_workers=2", "--", PY, "-c", script])
-  assert proc.returncode != 0
-  assert "worker 0 was killed by SIGKILL" in proc.stdout.decode()
+  code, out = _run_cli(["--num_workers=2", "--", PY, "-c", script], capsys)
+  assert code == launch.EXIT_WORKER_FAILED
+  assert "worker 0 was killed by SIGKILL" in out
+
+
+def _signal_when(out, needle, count, sig):
+  def watch():
+    deadline = time.monotonic() + 60
+    while out.getvalue().count(needle) < count and time.monotonic() < deadline:
+      time.sleep(0.05)
+    os.kill(os.getpid(), sig)
+  t = threading.Thread(target=watch, daemon=True)
+  t.start()
+  return t
 
 
 def test_sigterm_is_forwarded_to_every_worker():
@@ -66,31 +95,145 @@ def test_sigterm_is_forwarded_to_every_worker():
             "signal.signal(signal.SIGTERM, bye)\n"
             "print('ready', flush=True)\n"
             "time.sleep(120)\n")
-  proc = subprocess.Popen([PY, "-m", "tfdp.launch", "--num_workers=2", "--", PY, "-c", script],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
-  ready = 0
-  while ready < 2:
-    line = proc.stdout.readline().decode()
-    assert line, "launcher ended early"
-    ready += "ready" in line
-  proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=60)
-  out = out.decode()
-  assert out.count("got SIGTERM") == 2, out
-  assert proc.returncode == 0
+  out = io.StringIO()
+  _signal_when(out, "ready", 2, signal.SIGTERM)
+  code = launch.launch([PY, "-c", script], 2, out=out, grace_seconds=10,
+                       max_restarts=3)
+  assert out.getvalue().count("got SIGTERM") == 2, out.getvalue()
+  assert code == 0
+  assert "restart" not in out.getvalue().replace("no more restarts", "")
 
 
-def test_usage_errors():
-  proc = _launch(["--num_workers=2"])
-  assert proc.returncode == 2 and b"no COMMAND" in proc.stdout
-  proc = _launch(["--num_workers=0", "--", PY, "-c", "pass"])
-  assert proc.returncode == 2 and b"must be >= 1" in proc.stdout
-  proc = _launch(["--num_workers=1", "--", "/nonexistent/binary"])
-  assert proc.returncode == 2 and b"Cannot start worker 0" in proc.stdout
-  assert b"Traceback" not in proc.stdout
+def test_workers_that_save_after_a_forwarded_signal_give_the_preemption_code():
+  script = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)\n")
+  out = io.StringIO()
+  _signal_when(out, "ready", 2, signal.SIGTERM)
+  code = launch.launch([PY, "-c", script], 2, out=out, grace_seconds=10,
+                       max_restarts=3)
+  assert code == launch.EXIT_PREEMPTED == 75, out.getvalue()
+  assert "run the same command again to resume" in out.getvalue()
+
+
+def test_usage_errors(capsys):
+  code, out = _run_cli(["--num_workers=2"], capsys)
+  assert code == 2 and "no COMMAND" in out
+  code, out = _run_cli(["--num_workers=0", "--", PY, "-c", "pass"], capsys)
+  assert code == 2 and "must be >= 1" in out
+  code, out = _run_cli(["--num_workers=1", "--", "/nonexistent/binary"], capsys)
+  assert code == 2 and "Cannot start worker 0" in out
+  assert "Traceback" not in out
+  code, out = _run_cli(["--max_restarts=-1", "--", PY], capsys)
+  assert code == 2 and "--max_restarts must be >= 0" in out
+  code, out = _run_cli(["--elastic", "--num_workers=2", "--min_workers=3", "--", PY], capsys)
+  assert code == 2 and "--min_workers must be in [1, 2]" in out
+  code, out = _run_cli(["--hosts=a,b,c", "--num_workers=2", "--", PY], capsys)
+  assert code == 2 and "names 3 hosts" in out
 
 
 def test_fixed_port_gives_consecutive_ports():
   spec = launch.cluster_spec(3, port=23456)
   assert spec == {"worker": ["localhost:23456", "localhost:23457", "localhost:23458"]}
   assert len(set(launch.free_ports(4))) == 4
+  spec = launch.cluster_spec(2, port=7000, hosts=["10.0.0.1", "10.0.0.2"])
+  assert spec == {"worker": ["10.0.0.1:7000", "10.0.0.2:7001"]}
+
+
+def test_restarts_after_failures_with_fresh_ports_and_the_restart_count(tmp_path):
+  code, out, runs = _fake(tmp_path, "0:1:exit=7;1:0:exit=3", max_restarts=2)
+  assert code == 0, out
+  assert sorted(runs) == [0, 1, 2]
+  assert "restart 1/2: worker 1 exited with code 7" in out
+  assert "restart 2/2: worker 0 exited with code 3" in out
+  assert "job finished after 2 restart(s)" in out
+  addresses = [tuple(runs[a][0]["tf_config"]["cluster"]["worker"]) for a in runs]
+  assert len(set(addresses)) == 3, addresses  # new ports at every attempt
+
+
+def test_gives_up_after_max_restarts_with_a_summary_of_causes(tmp_path):
+  code, out, runs = _fake(tmp_path, "0:*:exit=4;*:0:exit=9", max_restarts=1)
+  assert code == launch.EXIT_WORKER_FAILED
+  assert sorted(runs) == [0, 1]
+  assert ("giving up after 1 restart(s) (--max_restarts=1); causes: attempt 1: "
+          "worker 0 exited with code 4; attempt 2: worker 0 exited with code 9.") in out
+
+
+def test_the_worker_that_died_is_blamed_not_the_peer_that_lost_it(tmp_path):
+  # Both end in the same poll: the peer-loss exit (69) is a consequence.
+  code, out, _ = _fake(tmp_path, "0:0:exit=69;0:1:exit=3", max_restarts=0)
+  assert code == 1 and "job failed: worker 1 exited with code 3." in out
+
+
+def test_a_hung_worker_is_detected_by_its_heartbeat_and_restarted(tmp_path):
+  start = time.monotonic()
+  code, out, runs = _fake(tmp_path, "0:1:hang", max_restarts=1, hang_timeout=1.5)
+  assert code == 0, out
+  assert "restart 1/1: worker 1 made no progress for 1.5 s (last heartbeat at step 4)" in out
+  assert sorted(runs) == [0, 1]
+  assert time.monotonic() - start < 20
+
+
+def test_a_worker_that_never_beats_fails_the_startup_timeout(tmp_path):
+  code, out, _ = _fake(tmp_path, "0:0:silent", max_restarts=1, hang_timeout=5,
+                       startup_timeout=1.5)
+  assert code == 0, out
+  assert "worker 0 wrote no heartbeat within 1.5 s of its start" in out
+
+
+def test_a_preempted_worker_is_a_restartable_event(tmp_path):
+  code, out, runs = _fake(tmp_path, "0:*:exit=75", max_restarts=1)
+  assert code == 0, out
+  assert "restart 1/1: worker 0 was preempted (exit code 75)" in out
+  assert sorted(runs) == [0, 1]
+
+
+def test_elastic_leaves_out_a_slot_that_keeps_failing_and_takes_it_back(tmp_path):
+  broken = tmp_path / "slot1-broken"
+  broken.write_text("")
+  # Slot 1 fails while `broken` exists; slot 0 repairs it in the 1-worker attempt.
+  script = f"2:0:rm={broken};3:*:ok;*:1:exit=7"
+  code, out, runs = _fake(tmp_path, script, max_restarts=4, elastic=True,
+                          min_workers=1, slot_check=f"test ! -e {broken}")
+  assert code == 0, out
+  sizes = [len(runs[a]) for a in sorted(runs)]
+  assert sizes == [2, 2, 1, 2], (sizes, out)
+  alone = runs[2][0]
+  assert alone["slot"] == 0 and alone["num_workers"] == 1
+  assert len(alone["tf_config"]["cluster"]["worker"]) == 1
+  assert "slot 1 failed 2 attempts in a row; leaving it out (1 workers)." in out
+  assert "slot 1 is back; using 2 workers." in out
+
+
+def test_elastic_never_goes_below_min_workers(tmp_path):
+  code, out, runs = _fake(tmp_path, "*:1:exit=7", max_restarts=2, elastic=True,
+                          min_workers=2)
+  assert code == launch.EXIT_WORKER_FAILED
+  assert [len(runs[a]) for a in sorted(runs)] == [2, 2, 2]
+  assert "leaving it out" not in out
+
+
+def test_elastic_renumbers_tasks_so_a_left_out_chief_slot_is_replaced(tmp_path):
+  code, out, runs = _fake(tmp_path, "0:0:exit=7;1:0:exit=7;3:*:exit=0;2:1:exit=6",
+                          num_workers=3, max_restarts=3, elastic=True, min_workers=2)
+  assert code == 0, out
+  assert [len(runs[a]) for a in sorted(runs)] == [3, 3, 2, 3]
+  assert sorted((r["slot"], r["index"]) for r in runs[2]) == [(1, 0), (2, 1)]
+
+
+def test_hosts_and_wrapper_place_each_worker(tmp_path):
+  code, out, runs = _fake(tmp_path, "", hosts=["127.0.0.1", "127.0.0.2"],
+                          wrapper=["env", "FT_WRAPPED=slot{slot}-{host}"])
+  assert code == 0, out
+  by_slot = {r["slot"]: r for r in runs[0]}
+  assert by_slot[1]["argv0"] == "slot1-127.0.0.2"
+  assert by_slot[0]["tf_config"]["cluster"]["worker"][1].startswith("127.0.0.2:")
+
+
+def test_exit_codes_match_the_workers_modules():
+  from tfdp import heartbeat  # pylint: disable=g-import-not-at-top
+  from tfdp import preemption  # pylint: disable=g-import-not-at-top
+  assert launch.EXIT_PREEMPTED == preemption.EXIT_PREEMPTED
+  assert launch.EXIT_PEER_LOST == heartbeat.EXIT_PEER_LOST
+  assert launch.ENV_HEARTBEAT_FILE == heartbeat.ENV_HEARTBEAT_FILE
