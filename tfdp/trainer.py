@@ -11,6 +11,7 @@ import models
 from tfdp import callbacks as tfdp_callbacks
 from tfdp import data
 from tfdp import errors
+from tfdp import heartbeat
 from tfdp import preemption
 from tfdp import state as state_lib
 from tfdp import strategy as strategy_lib
@@ -167,6 +168,7 @@ def run(config):
 
     handler = preemption.SignalHandler(config.preemption_grace_seconds).install()
     cbs.append(preemption.PreemptionCallback(save_for_preemption, handler=handler))
+  cbs.append(heartbeat.Heartbeat())  # progress for tfdp-launch --hang_timeout
   if chief:
     cbs.append(tfdp_callbacks.Throughput(config.global_batch_size))
     if config.model_dir:

@@ -1,0 +1,270 @@
+"""Liveness: per-batch heartbeats for tfdp-launch, and a prompt exit that names a lost peer."""
+
+import atexit
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+from absl import logging
+import keras
+
+# The file a worker's heartbeats go to; tfdp-launch sets it for every worker.
+ENV_HEARTBEAT_FILE = "TFDP_HEARTBEAT_FILE"
+
+# Exit code of a worker whose peer disappeared (sysexits' EX_UNAVAILABLE).
+# tfdp-launch treats it as a consequence of another worker's failure.
+EXIT_PEER_LOST = 69
+
+# The peer watchdog checks every peer every PEER_CHECK_INTERVAL seconds; a
+# check gives up after PEER_CHECK_TIMEOUT seconds and a peer is lost after
+# PEER_CHECK_ATTEMPTS failed checks in a row, 1 s apart.
+PEER_CHECK_INTERVAL = 2.0
+PEER_CHECK_TIMEOUT = 5.0
+PEER_CHECK_ATTEMPTS = 3
+
+# The documented bound: a worker whose peer process dies or becomes
+# unreachable during training exits with EXIT_PEER_LOST within this many
+# seconds. It covers the slower of the two detectors: TF's coordination
+# service (tfdp.strategy.DEFAULT_PEER_TIMEOUT_SECONDS = 10 s of missed
+# heartbeats, then the collectives of every survivor are aborted) and the
+# watchdog (at most 2 + 3 x 5 + 2 x 1 = 19 s; a peer whose process died on a
+# live host fails a check at once, ~4 s), plus a margin for a loaded host.
+PEER_LOSS_BOUND_SECONDS = 30.0
+
+_TASK = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+
+
+def beat(path, step):
+  """Writes `step` and the time to the heartbeat file `path` (its mtime is the beat)."""
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(f"{step} {time.time():.3f}\n")
+
+
+class Heartbeat(keras.callbacks.Callback):
+  """Tells the launcher that training makes progress: one beat per batch.
+
+  A beat rewrites a tiny file (the global step and the time); `tfdp-launch
+  --hang_timeout=S` counts a worker whose file did not change for S seconds
+  as hung and restarts the group. Does nothing when no file is given and
+  TFDP_HEARTBEAT_FILE is unset.
+
+  Args:
+    path: the heartbeat file (default: $TFDP_HEARTBEAT_FILE).
+    min_interval: seconds between two writes at least, so tiny steps cost
+      no more than a few writes a second.
+  """
+
+  def __init__(self, path=None, min_interval=0.25, watch_peers=True):
+    super().__init__()
+    self.path = path or os.environ.get(ENV_HEARTBEAT_FILE) or None
+    self.min_interval = min_interval
+    self.watch_peers = watch_peers
+    self._last = 0.0
+    self._watchdog = None
+
+  def on_train_begin(self, logs=None):
+    if self.watch_peers and self._watchdog is None:
+      self._watchdog = PeerWatchdog.for_strategy(self.model.distribute_strategy)
+      if self._watchdog is not None:
+        self._watchdog.start()
+
+  def _beat(self, force=False):
+    if not self.path:
+      return
+    now = time.monotonic()
+    if not force and now - self._last < self.min_interval:
+      return
+    self._last = now
+    try:
+      step = int(self.model.optimizer.iterations.numpy())
+    except (AttributeError, TypeError, ValueError):
+      step = -1
+    try:
+      beat(self.path, step)
+    except OSError as e:  # A full disk must not stop training.
+      logging.warning("tfdp: cannot write heartbeat %s: %s", self.path, e)
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._beat()
+
+  def on_test_batch_end(self, batch, logs=None):
+    self._beat()
+
+  def on_epoch_end(self, epoch, logs=None):
+    self._beat(force=True)
+
+  def on_train_end(self, logs=None):
+    self._beat(force=True)
+    # Peers may finish and exit before us from here on.
+    if self._watchdog is not None:
+      self._watchdog.stop()
+      self._watchdog = None
+
+
+class PeerWatchdog:
+  """A thread that exits the process, naming the peer, when a peer of the cluster is gone.
+
+  TensorFlow aborts pending collectives when its coordination service misses
+  a peer's heartbeats, but a worker busy outside a collective (writing or
+  waiting for checkpoint shards, reading data) would not notice. Every
+  `interval` seconds this checks each peer with
+  `check_collective_ops_peer_health` (what MultiWorkerMirroredStrategy's own
+  health-check thread does when the coordination service is off); after
+  `attempts` failures in a row it calls `exit_peer_lost`. Run it only while
+  every peer is expected to be alive (tfdp's Heartbeat: during `fit`).
+  """
+
+  def __init__(self, peers, *, interval=PEER_CHECK_INTERVAL,
+               timeout=PEER_CHECK_TIMEOUT, attempts=PEER_CHECK_ATTEMPTS):
+    self.peers = list(peers)
+    self.interval, self.timeout, self.attempts = interval, timeout, attempts
+    self._stop = threading.Event()
+    self._thread = None
+
+  @classmethod
+  def for_strategy(cls, strategy, **kw):
+    """A watchdog of the other tasks of a multi-worker `strategy`, or None."""
+    extended = getattr(strategy, "extended", None)
+    spec = getattr(extended, "_cluster_spec", None)
+    if spec is None or getattr(extended, "_num_workers", 1) < 2:
+      return None
+    own = (extended._task_type, extended._task_id)  # pylint: disable=protected-access
+    peers = [(job, i) for job in spec.jobs for i in range(spec.num_tasks(job))
+             if (job, i) != own and job in ("chief", "worker")]
+    return cls(peers, **kw)
+
+  def start(self):
+    # Peers that finish (or save after a preemption) exit at slightly
+    # different times; a process on its way out watches no more.
+    atexit.register(self.stop)
+    self._thread = threading.Thread(target=self._run, name="tfdp-peer-watchdog",
+                                    daemon=True)
+    self._thread.start()
+
+  def stop(self):
+    self._stop.set()
+    atexit.unregister(self.stop)
+
+  def _run(self):
+    # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+    # pylint: enable=g-import-not-at-top
+    down = (tf.errors.UnavailableError, tf.errors.FailedPreconditionError,
+            tf.errors.DeadlineExceededError)
+    while not self._stop.wait(self.interval):
+      for job, index in self.peers:
+        task = f"/job:{job}/replica:0/task:{index}"
+        for attempt in range(1, self.attempts + 1):
+          try:
+            context.context().check_collective_ops_peer_health(
+                task, timeout_in_ms=int(self.timeout * 1000))
+            break
+          except down as e:
+            if self._stop.is_set():
+              return
+            if attempt == self.attempts:
+              exit_peer_lost(e, f"{task} failed {attempt} health checks in a row")
+            logging.warning("tfdp: %s seems down (%d/%d): %s", task, attempt,
+                            self.attempts, " ".join(str(e).split())[:200])
+            if self._stop.wait(1.0):
+              return
+          except Exception as e:  # pylint: disable=broad-except
+            logging.warning("tfdp: peer check of %s failed: %s", task, e)
+            break
+
+
+def _own_task(tf_config):
+  task = (tf_config or {}).get("task") or {}
+  return task.get("type"), task.get("index")
+
+
+def lost_peers(message, tf_config=None):
+  """The peers an error message of TensorFlow names, as 'worker 1 (host:port)' strings.
+
+  Args:
+    message: the text of a collective or coordination-service error.
+    tf_config: parsed TF_CONFIG (default: the environment's); this task is
+      left out and addresses are added.
+  """
+  if tf_config is None:
+    try:
+      tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    except ValueError:
+      tf_config = {}
+  own = _own_task(tf_config)
+  cluster = tf_config.get("cluster") or {}
+  peers = []
+  for job, index in _TASK.findall(message or ""):
+    index = int(index)
+    if (job, index) == own:
+      continue
+    addresses = cluster.get(job) or []
+    name = f"{job} {index}"
+    if index < len(addresses):
+      name += f" ({addresses[index]})"
+    if name not in peers:
+      peers.append(name)
+  return peers
+
+
+def is_peer_loss(error):
+  """True for the errors TensorFlow raises when a peer of a collective is gone or hung."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if not isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                            tf.errors.AbortedError, tf.errors.CancelledError)):
+    return False
+  text = str(error)
+  return bool(lost_peers(text)) or any(
+      k in text for k in ("Collective", "collective", "heartbeat", "coordination"))
+
+
+def _leader(tf_config):
+  """The coordination service's leader: the chief, else worker 0."""
+  cluster = (tf_config or {}).get("cluster") or {}
+  job = "chief" if cluster.get("chief") else "worker"
+  if _own_task(tf_config) == (job, 0):
+    return None
+  addresses = cluster.get(job) or []
+  return f"{job} 0" + (f" ({addresses[0]})" if addresses else "")
+
+
+def describe_peer_loss(error, context=None):
+  """One line for the log: which peer was lost and what TensorFlow said."""
+  text = " ".join(str(getattr(error, "message", error)).split())
+  peers = lost_peers(context or text) or lost_peers(text)
+  if not peers and "CoordinationService" in text:
+    # This worker's heartbeats to the coordination service go unanswered.
+    try:
+      leader = _leader(json.loads(os.environ.get("TF_CONFIG") or "{}"))
+    except ValueError:
+      leader = None
+    peers = [f"{leader}, the coordination service leader"] if leader else []
+  who = ", ".join(peers) if peers else "an unnamed peer"
+  # The cause, without the graph's Python traceback TF puts before it.
+  for marker in ("aborted by: ", "unhealthy", "Connection", "timed out"):
+    if marker in text:
+      text = text[text.index(marker):]
+      break
+  detail = (context + ": " if context else "") + text[:240]
+  if not context and "timed out" in text:
+    return f"a collective timed out (--collective_timeout); lost peer {who}: {detail}"
+  return f"lost peer {who}: {detail}"
+
+
+def exit_peer_lost(error, context=None):
+  """Logs which peer was lost and ends the process at once with EXIT_PEER_LOST.
+
+  `os._exit` skips interpreter teardown, where TensorFlow's coordination
+  agent would otherwise wait for the lost peer's shutdown barrier; the
+  group cannot save any more anyway (saves are collective).
+  """
+  line = describe_peer_loss(error, context)
+  logging.error("tfdp: %s; exiting with code %d.", line, EXIT_PEER_LOST)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(EXIT_PEER_LOST)  # pylint: disable=protected-access
