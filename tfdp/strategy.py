@@ -1,4 +1,4 @@
-"""Strategy factory: cluster resolution, all-reduce choice, logical CPU replicas."""
+"""Strategy factory: cluster resolution (TF_CONFIG, SLURM), all-reduce choice, logical CPU replicas."""
 
 import json
 import os
@@ -12,7 +12,18 @@ from tfdp import errors
 
 KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "ring")
+CLUSTERS = ("auto", "tf_config", "slurm")
 _TASK_TYPES = ("worker", "chief")
+
+# A worker that misses heartbeats to TensorFlow's coordination service for
+# this long counts as lost: every other worker's collectives are aborted with
+# an error naming it (see tfdp.heartbeat.exit_peer_lost for the exit). TF's
+# own default is the same; tfdp sets it explicitly so the bound it documents
+# does not move with TF releases.
+DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
+
+# First port of the SLURM workers on each node (TFDP_PORT overrides it).
+DEFAULT_SLURM_PORT = 8888
 
 
 def parse_tf_config(raw=None):
@@ -88,6 +99,101 @@ def parse_tf_config(raw=None):
         f"{len(cluster[task_type])} task(s), so the index must be in "
         f"[0, {len(cluster[task_type]) - 1}].")
   return config
+
+
+def _in_slurm_step():
+  return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
+
+
+def slurm_resolver(port_base=None):
+  """A `SlurmClusterResolver` for this SLURM job step: one worker per task.
+
+  Run one task per node (`srun --ntasks-per-node=1`); the task uses every
+  GPU of its node. Worker i listens on `port_base + (its rank on the node)`.
+
+  Args:
+    port_base: first port on each node (default $TFDP_PORT or 8888).
+
+  Raises:
+    ConfigError: not inside a SLURM job step, or SLURM's variables are
+      inconsistent.
+  """
+  if not _in_slurm_step():
+    raise errors.ConfigError(
+        "cluster='slurm' needs a SLURM job step (SLURM_PROCID and "
+        "SLURM_STEP_NUM_TASKS are unset): start the workers with `srun`.")
+  if port_base is None:
+    port_base = int(os.environ.get("TFDP_PORT", DEFAULT_SLURM_PORT))
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
+  # pylint: enable=g-import-not-at-top
+  try:
+    gpus = len(_gpus())
+    if not gpus:
+      # The resolver hands out GPUs per task and lists one task per GPU; on
+      # CPU hosts give it one placeholder per task (auto_set_gpu is off, so
+      # no CUDA_VISIBLE_DEVICES is set from them).
+      tasks = max(slurm_cluster_resolver.expand_tasks_per_node(
+          os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1")))
+      return tf.distribute.cluster_resolver.SlurmClusterResolver(
+          port_base=port_base, gpus_per_node=tasks, gpus_per_task=1,
+          auto_set_gpu=False)
+    return tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=port_base, gpus_per_node=gpus, auto_set_gpu=False)
+  except (RuntimeError, ValueError) as e:
+    raise errors.ConfigError(f"Cannot resolve the SLURM cluster: {e}") from e
+
+
+def resolve_cluster(cluster="auto"):
+  """Finds the cluster this process belongs to.
+
+  Args:
+    cluster: `tf_config` (the TF_CONFIG variable), `slurm` (SLURM's job step
+      variables, through `SlurmClusterResolver`), or `auto`: TF_CONFIG when
+      set, else SLURM when inside a step of 2+ tasks, else no cluster.
+
+  Returns:
+    (resolver, config): `resolver` is a cluster resolver for the strategy,
+    or None to let TF read TF_CONFIG; `config` is a TF_CONFIG-like dict
+    `{"cluster": ..., "task": ...}`, or None for one host.
+
+  Raises:
+    ConfigError: unknown `cluster`, a bad TF_CONFIG, or no SLURM step.
+  """
+  if cluster not in CLUSTERS:
+    raise errors.ConfigError(
+        f"Unknown cluster {cluster!r}; choose one of {', '.join(CLUSTERS)}.")
+  config = parse_tf_config() if cluster in ("auto", "tf_config") else None
+  if cluster == "tf_config" or config is not None:
+    return None, config
+  if cluster == "auto" and (not _in_slurm_step() or
+                            int(os.environ["SLURM_STEP_NUM_TASKS"]) < 2):
+    return None, None
+  resolver = slurm_resolver()
+  spec = resolver.cluster_spec().as_dict()
+  task_type, task_id = resolver.get_task_info()
+  return resolver, {"cluster": spec, "task": {"type": task_type, "index": task_id}}
+
+
+def _configure_peer_timeout(config, peer_timeout_seconds):
+  """Configures TF's coordination service as MultiWorkerMirroredStrategy would, with our heartbeat timeout."""
+  # pylint: disable=g-import-not-at-top
+  from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+  from tensorflow.python.distribute import multi_worker_util
+  from tensorflow.python.eager import context
+  # pylint: enable=g-import-not-at-top
+  if context.context().coordination_service is not None:
+    return
+  spec = tf.train.ClusterSpec(config["cluster"])
+  if config["task"]["type"] not in _TASK_TYPES:
+    return
+  jobs = [coordination_config_pb2.CoordinatedJob(name=j, num_tasks=spec.num_tasks(j))
+          for j in ("chief", "worker") if j in spec.jobs]
+  context.context().configure_coordination_service(
+      service_type="standalone",
+      service_leader=multi_worker_util.coordination_leader(spec),
+      coordinated_jobs=jobs,
+      heartbeat_timeout_in_ms=int(peer_timeout_seconds * 1000))
 
 
 def num_cluster_workers(config):
@@ -171,18 +277,25 @@ class _CpuReplicasExtended(collective_all_reduce_strategy.CollectiveAllReduceExt
 class _MultiWorkerCpuReplicasStrategy(tf.distribute.MultiWorkerMirroredStrategy):
   """`MultiWorkerMirroredStrategy` with `cpu_replicas` replicas per worker."""
 
-  def __init__(self, cpu_replicas, communication_options):
+  def __init__(self, cpu_replicas, communication_options, cluster_resolver=None):
     # Skips MultiWorkerMirroredStrategy.__init__ only to inject the extended;
     # the rest of that constructor is usage metrics.
     distribute_lib.Strategy.__init__(  # pylint: disable=non-parent-init-called
         self, _CpuReplicasExtended(
-            self, cluster_resolver=None,
+            self, cluster_resolver=cluster_resolver,
             communication_options=communication_options,
             cpu_replicas=cpu_replicas))
 
 
 def _gpus():
   return tf.config.list_physical_devices("GPU")
+
+
+# Collective group keys of single-host ring all-reduce, unique per strategy in
+# this process: TF caches collective instances by (group, instance) key, so two
+# strategies starting from the same key clash ("Shape mismatch in the collective
+# instance"). Across workers keys must agree, which MWMS arranges itself.
+_next_group_key = [10_000]
 
 
 def _mirrored_cross_device_ops(all_reduce, devices, options):
@@ -194,8 +307,12 @@ def _mirrored_cross_device_ops(all_reduce, devices, options):
     return tf.distribute.ReductionToOneDevice()
   if all_reduce == "ring":
     from tensorflow.python.distribute import cross_device_ops  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.distribute import cross_device_utils  # pylint: disable=g-import-not-at-top
+    _next_group_key[0] += 1000
     return cross_device_ops.CollectiveAllReduce(
-        devices=devices, group_size=len(devices), options=options)
+        devices=devices, group_size=len(devices), options=options,
+        collective_keys=cross_device_utils.CollectiveKeys(
+            group_key_start=_next_group_key[0]))
   # auto: NCCL between GPUs, a reduction on one device between CPU replicas.
   if devices and all("GPU" in d for d in devices):
     return tf.distribute.NcclAllReduce()
@@ -203,7 +320,8 @@ def _mirrored_cross_device_ops(all_reduce, devices, options):
 
 
 def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
-                  timeout_seconds=None, bytes_per_pack=0):
+                  timeout_seconds=None, bytes_per_pack=0, cluster="auto",
+                  peer_timeout_seconds=DEFAULT_PEER_TIMEOUT_SECONDS):
   """Creates the `tf.distribute.Strategy` for this process.
 
   Call it first, before any other TensorFlow work: logical CPU devices and
@@ -221,13 +339,18 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
     timeout_seconds: collective timeout (multi_worker and ring), None = none.
     bytes_per_pack: split gradients into packs of this size for collective
       all-reduce; 0 lets TF decide.
+    cluster: where the cluster comes from: `auto`, `tf_config` or `slurm`
+      (see `resolve_cluster`).
+    peer_timeout_seconds: multi_worker: a peer that sends no heartbeat to
+      the coordination service for this long is lost, and the collectives
+      of every other worker fail with an error naming it.
 
   Returns:
     A `tf.distribute.Strategy`.
 
   Raises:
-    ConfigError: unknown kind or all-reduce, NCCL without GPUs, bad
-      TF_CONFIG, cpu_replicas too late or invalid.
+    ConfigError: unknown kind, cluster or all-reduce, NCCL without GPUs, bad
+      TF_CONFIG or SLURM step, cpu_replicas too late or invalid.
   """
   if kind not in KINDS:
     raise errors.ConfigError(f"Unknown strategy {kind!r}; choose one of {', '.join(KINDS)}.")
@@ -240,7 +363,7 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
         "all_reduce='nccl' needs GPUs and none is visible; use all_reduce="
         "'ring' (across workers) or 'reduce_to_one' (between CPU replicas), or "
         "'auto'.")
-  config = parse_tf_config()
+  resolver, config = resolve_cluster(cluster)
   workers = num_cluster_workers(config)
   if kind == "auto":
     if workers > 1:
@@ -254,8 +377,8 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
   if kind == "multi_worker" and config is None:
     raise errors.ConfigError(
         "strategy 'multi_worker' needs TF_CONFIG describing the cluster; start "
-        "the workers with `tfdp-launch --num_workers=N -- COMMAND` or set "
-        "TF_CONFIG on each host.")
+        "the workers with `tfdp-launch --num_workers=N -- COMMAND`, set "
+        "TF_CONFIG on each host, or run them as a SLURM job step (`srun`).")
   if kind != "multi_worker" and workers > 1:
     raise errors.ConfigError(
         f"TF_CONFIG describes {workers} workers but strategy {kind!r} trains on "
@@ -270,11 +393,16 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
     options = communication_options(
         "auto" if all_reduce == "auto" else all_reduce,
         timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack)
+    if peer_timeout_seconds is not None and peer_timeout_seconds <= 0:
+      raise errors.ConfigError(
+          f"peer_timeout_seconds must be positive, got {peer_timeout_seconds!r}.")
+    if peer_timeout_seconds:
+      _configure_peer_timeout(config, peer_timeout_seconds)
     if not gpus and (cpu_replicas or 1) > 1:
-      strategy = _MultiWorkerCpuReplicasStrategy(cpu_replicas, options)
+      strategy = _MultiWorkerCpuReplicasStrategy(cpu_replicas, options, resolver)
     else:
       strategy = tf.distribute.MultiWorkerMirroredStrategy(
-          communication_options=options)
+          cluster_resolver=resolver, communication_options=options)
   elif kind == "mirrored":
     devices = ([f"/gpu:{i}" for i in range(len(gpus))] if gpus else
                [d.name for d in tf.config.list_logical_devices("CPU")])
