@@ -1,0 +1,161 @@
+"""Fault tolerance with real tfdp-train workers: a survivor's bounded exit, and a seeded SIGKILL chaos run."""
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from tfdp import errors
+from tfdp import heartbeat
+from tfdp import launch
+from tfdp.checkpoint import writer
+from tests.workers import ft_common
+
+
+def test_a_survivor_exits_within_the_bound_naming_the_lost_peer(tmp_path):
+  out = open(tmp_path / "log.txt", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
+  cmd = ft_common.command(str(tmp_path / "model"))
+  cmd = [c.replace(f"--train_steps={ft_common.STEPS}", "--train_steps=100000")
+         for c in cmd]
+  group = launch.Launcher(cmd, 2, env=ft_common.env(), out=out, grace_seconds=5)
+  try:
+    group.start()
+    deadline = time.monotonic() + 240
+    # Both train once both beat (the second worker's first beat needs a step).
+    while not all(os.path.exists(f) for f in group.heartbeat_files):
+      assert time.monotonic() < deadline, "the workers did not start training"
+      assert all(p.poll() is None for p in group.procs), "a worker ended early"
+      time.sleep(0.1)
+    time.sleep(1.0)
+    victim = group.procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    survivor = group.procs[0]
+    try:
+      code = survivor.wait(timeout=heartbeat.PEER_LOSS_BOUND_SECONDS)
+    finally:
+      took = time.monotonic() - killed
+  finally:
+    group.stop(grace_seconds=0)
+  for pump in group._pumps:  # pylint: disable=protected-access
+    pump.join(timeout=5)
+  out.seek(0)
+  text = out.read()
+  peer = group.cluster["worker"][1]
+  assert code == heartbeat.EXIT_PEER_LOST, text[-3000:]
+  assert took <= heartbeat.PEER_LOSS_BOUND_SECONDS
+  assert f"lost peer worker 1 ({peer})" in text, text[-3000:]
+
+
+def _plan(seed):
+  """5 SIGKILLs: 3 at random steps, 2 inside checkpoint saves, each of a random worker."""
+  rng = random.Random(seed)
+  steps = sorted(rng.sample(range(10, ft_common.STEPS - 10), 3))
+  phases = rng.sample(writer.PHASES, 2)
+  events = [{"step": s} for s in steps] + [{"phase": p} for p in phases]
+  rng.shuffle(events)
+  # A step kill only fires past the restored step: keep step kills increasing.
+  step_events = iter(sorted(e["step"] for e in events if "step" in e))
+  for e in events:
+    if "step" in e:
+      e["step"] = next(step_events)
+    e["worker"] = rng.randrange(2)
+  return {str(i): e for i, e in enumerate(events)}
+
+
+def test_chaos_sigkill_five_times_completes_intact_and_bitwise_equal(tmp_path, tmp_path_factory):
+  reference = ft_common.reference(tmp_path_factory)
+  plan = _plan(seed=6)
+  model_dir = str(tmp_path / "model")
+  code, out = ft_common.run_job(
+      model_dir, str(tmp_path / "log.txt"), env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan)),
+      max_restarts=5, hang_timeout=60)
+  assert code == 0, out[-5000:]
+  restarts = [l for l in out.splitlines() if "[tfdp-launch] restart " in l]
+  assert len(restarts) == 5, (plan, restarts)
+  assert all("was killed by SIGKILL" in l for l in restarts), restarts
+  assert "job finished after 5 restart(s)" in out
+  prefixes, problems = ft_common.verify_all(model_dir)
+  assert os.path.join(model_dir, f"ckpt-{ft_common.STEPS}") in prefixes
+  assert not problems, problems
+  diffs = ft_common.differences(ft_common.final_weights(reference),
+                                ft_common.final_weights(model_dir))
+  assert not diffs, f"plan {plan}: weights differ from the uninterrupted run: {diffs}"
+
+
+def _slurm_env(monkeypatch, procid, port):
+  monkeypatch.delenv("TF_CONFIG", raising=False)
+  for k, v in {"SLURM_PROCID": str(procid), "SLURM_STEP_NUM_TASKS": "3",
+               "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2,1",
+               "TFDP_PORT": str(port)}.items():
+    monkeypatch.setenv(k, v)
+
+
+def test_a_slurm_step_resolves_to_a_cluster_without_tf_config(monkeypatch):
+  from tfdp import strategy  # pylint: disable=g-import-not-at-top
+  _slurm_env(monkeypatch, 2, 9100)
+  resolver, config = strategy.resolve_cluster("auto")
+  assert resolver is not None
+  assert config == {"cluster": {"worker": ["node1:9100", "node1:9101", "node2:9100"]},
+                    "task": {"type": "worker", "index": 2}}
+  assert strategy.num_cluster_workers(config) == 3
+  # TF_CONFIG wins under auto; an explicit choice is honoured.
+  monkeypatch.setenv("TF_CONFIG", json.dumps(
+      {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}))
+  assert strategy.resolve_cluster("auto")[0] is None
+  assert strategy.resolve_cluster("slurm")[1]["task"]["index"] == 2
+  monkeypatch.delenv("SLURM_PROCID")
+  monkeypatch.delenv("TF_CONFIG")
+  assert strategy.resolve_cluster("auto") == (None, None)
+  with pytest.raises(errors.ConfigError, match="needs a SLURM job step"):
+    strategy.resolve_cluster("slurm")
+  with pytest.raises(errors.ConfigError, match="Unknown cluster 'k8s'"):
+    strategy.resolve_cluster("k8s")
+
+
+def test_heartbeat_callback_writes_the_step_and_is_a_no_op_without_a_file(tmp_path, monkeypatch):
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile("sgd", "mse")
+  path = tmp_path / "beat"
+  x, y = np.zeros((8, 2), np.float32), np.zeros((8, 1), np.float32)
+  model.fit(x, y, batch_size=2, epochs=1, verbose=0,
+            callbacks=[heartbeat.Heartbeat(str(path), min_interval=0)])
+  assert path.read_text().split()[0] == "4"
+  monkeypatch.delenv(heartbeat.ENV_HEARTBEAT_FILE, raising=False)
+  beat = heartbeat.Heartbeat()
+  assert beat.path is None
+  model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[beat])
+  # Single-host strategies have no peers to watch.
+  assert heartbeat.PeerWatchdog.for_strategy(model.distribute_strategy) is None
+
+
+def test_lost_peers_are_named_from_tensorflows_messages():
+  config = {"cluster": {"worker": ["h0:1", "h1:2", "h2:3"]},
+            "task": {"type": "worker", "index": 0}}
+  unhealthy = ("Collective ops is aborted by: Error reported from /job:worker/task:1: "
+               "The following tasks are unhealthy (stopped sending heartbeats):\n"
+               "/job:worker/replica:0/task:1\nThe tasks have crashed.")
+  assert heartbeat.lost_peers(unhealthy, config) == ["worker 1 (h1:2)"]
+  reset = ("{{function_node __wrapped__CollectiveReduceV2_device_/job:worker/replica:0/"
+           "task:0/device:CPU:0}} Additional GRPC error information from remote target "
+           "/job:worker/replica:0/task:2 while calling /tensorflow.WorkerService/RecvBuf")
+  assert heartbeat.lost_peers(reset, config) == ["worker 2 (h2:3)"]
+  assert heartbeat.lost_peers("no task here", config) == []
+
+
+def test_a_worker_cut_off_from_the_coordination_leader_names_it(monkeypatch):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TF_CONFIG", json.dumps(
+      {"cluster": {"worker": ["10.0.0.1:5", "10.0.0.2:6"]}, "task": {"type": "worker", "index": 1}}))
+  error = tf.errors.DeadlineExceededError(
+      None, None, "Collective ops is aborted by: Deadline Exceeded RPC: "
+      "/tensorflow.CoordinationService/Heartbeat The error could be from a previous operation.")
+  assert heartbeat.is_peer_loss(error)
+  line = heartbeat.describe_peer_loss(error)
+  assert line.startswith("lost peer worker 0 (10.0.0.1:5), the coordination service leader: "
+                         "aborted by: Deadline Exceeded"), line

@@ -1,0 +1,51 @@
+"""tfdp-train that SIGKILLs itself where this attempt's chaos plan says (at a step or a checkpoint phase).
+
+FT_CHAOS_PLAN is JSON {attempt: {"worker": i, "step": s} | {"worker": i,
+"phase": p}}; attempt is TFDP_RESTART_COUNT (set by tfdp-launch). A step
+kill fires once this worker's heartbeat reports step >= s; a phase kill
+fires at the first checkpoint save of the attempt, at that phase of the
+sharded save (tfdp.checkpoint.writer.PHASES).
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def _kill_at_step(step):
+  path = os.environ["TFDP_HEARTBEAT_FILE"]
+
+  def watch():
+    while True:
+      try:
+        with open(path, encoding="utf-8") as f:
+          now = int(f.read().split()[0])
+      except (OSError, ValueError, IndexError):
+        now = -1
+      if now >= step:
+        print(f"ft_train: SIGKILL at step {now}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+      time.sleep(0.01)
+
+  threading.Thread(target=watch, daemon=True).start()
+
+
+def main():
+  plan = json.loads(os.environ.get("FT_CHAOS_PLAN") or "{}")
+  event = plan.get(os.environ.get("TFDP_RESTART_COUNT", "0"))
+  me = int(os.environ.get("TFDP_WORKER_INDEX", "0"))
+  if event and event["worker"] == me:
+    if "phase" in event:
+      os.environ["TFDP_CKPT_TEST_CRASH_AT"] = f"{event['phase']}:{me}"
+    else:
+      _kill_at_step(event["step"])
+  from tfdp.cli import train  # pylint: disable=g-import-not-at-top
+  sys.argv = ["tfdp-train"] + sys.argv[1:]
+  train.run()
+
+
+if __name__ == "__main__":
+  main()
