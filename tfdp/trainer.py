@@ -10,9 +10,9 @@ import tensorflow as tf
 import models
 from tfdp import callbacks as tfdp_callbacks
 from tfdp import data
+from tfdp import datasets as datasets_lib
 from tfdp import errors
-from tfdp import heartbeat
-from tfdp import preemption
+from tfdp import optim
 from tfdp import state as state_lib
 from tfdp import strategy as strategy_lib
 from tfdp import training
@@ -31,8 +31,15 @@ class TrainConfig:
   global_batch_size: int = 32
   train_steps: int = 100
   steps_per_epoch: int | None = None
-  learning_rate: float = 0.05
+  learning_rate: float | None = None
+  base_learning_rate: float | None = None
+  warmup_steps: int = 0
+  lr_decay: str = "constant"
+  optimizer: str = "auto"
   momentum: float = 0.9
+  weight_decay: float | None = None
+  label_smoothing: float = 0.0
+  mixed_precision: bool = False
   seed: int = 0
   deterministic: bool = False
   model_dir: str | None = None
@@ -41,8 +48,12 @@ class TrainConfig:
   max_to_keep: int | None = 5
   max_shard_bytes: int | None = None
   allow_config_mismatch: bool = False
-  preemption_grace_seconds: float = preemption.DEFAULT_GRACE_SECONDS
   num_examples: int = 2048
+  data_dir: str | None = None
+  image_size: int | None = None
+  bert_config: str = "tiny"
+  vocab_file: str | None = None
+  seq_len: int = 128
 
   def validate(self):
     """Raises ConfigError for values no run can use."""
@@ -57,15 +68,16 @@ class TrainConfig:
     if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 0:
       raise errors.ConfigError(
           f"--checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}.")
-    if self.learning_rate <= 0:
-      raise errors.ConfigError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+    optim.peak_learning_rate(self.global_batch_size, learning_rate=self.learning_rate,
+                             base_learning_rate=self.base_learning_rate)
+    if not 0 <= self.label_smoothing < 1:
+      raise errors.ConfigError(
+          f"--label_smoothing must be in [0, 1), got {self.label_smoothing}.")
     try:
       models.get(self.model)
     except KeyError as e:
       raise errors.ConfigError(str(e.args[0])) from None
-    if self.dataset != "synthetic":
-      raise errors.ConfigError(
-          f"Unknown --dataset {self.dataset!r}; available: synthetic.")
+    datasets_lib.check_name(self.dataset)
 
 
 @dataclasses.dataclass
@@ -78,25 +90,37 @@ class TrainResult:
   histories: list
 
 
-def _source(config, spec):
-  if spec.task == "image_classification":
-    return data.synthetic_images(num_examples=config.num_examples, seed=config.seed)
-  raise errors.ConfigError(f"No synthetic data for task {spec.task!r}.")
+def _source(config, spec, num_workers=1):
+  return datasets_lib.load(
+      config.dataset, task=spec.task, seed=config.seed, num_examples=config.num_examples,
+      image_size=config.image_size or spec.image_size, data_dir=config.data_dir,
+      vocab_file=config.vocab_file, seq_len=config.seq_len, num_workers=num_workers)
 
 
-def _compile(model, config):
-  model.compile(
-      optimizer=keras.optimizers.SGD(config.learning_rate, momentum=config.momentum),
-      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+def _build(config, spec, source):
+  """The model of `spec` shaped for `source`, under the mixed-precision policy if asked."""
+  kwargs = dict(source.model_kwargs, **{k: getattr(config, k) for k in spec.options})
+  if not config.mixed_precision:
+    return spec.build(seed=config.seed, **kwargs)
+  # Float16 on GPUs; bfloat16 elsewhere (CPUs lack fast float16). Variables
+  # stay float32 either way, which MultiWorkerMirroredStrategy needs (its
+  # broadcast has no bfloat16 kernel).
+  policy = "mixed_float16" if tf.config.list_logical_devices("GPU") else "mixed_bfloat16"
+  previous = keras.mixed_precision.global_policy()
+  keras.mixed_precision.set_global_policy(policy)
+  try:
+    return spec.build(seed=config.seed, **kwargs)
+  finally:
+    keras.mixed_precision.set_global_policy(previous)
+
+
+def _compile(model, config, spec):
+  model.compile(optimizer=optim.from_config(config, spec),
+                **spec.compile_args(label_smoothing=config.label_smoothing))
 
 
 def run(config):
   """Trains as `config` says, resuming from `config.model_dir` if it holds a checkpoint.
-
-  With a model_dir, SIGTERM or SIGINT to any worker makes all workers save
-  at the same step and raise `tfdp.preemption.Preempted` (see
-  tfdp/preemption.py for the exit codes and the grace period).
 
   Returns:
     A TrainResult.
@@ -116,7 +140,7 @@ def run(config):
   data.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
 
   spec = models.get(config.model)
-  source = _source(config, spec)
+  source = _source(config, spec, num_workers)
   steps_per_epoch = config.steps_per_epoch or data.steps_per_epoch(
       source.num_examples, config.global_batch_size)
   run_config = {
@@ -124,9 +148,9 @@ def run(config):
       "global_batch_size": config.global_batch_size,
       "world_size": num_workers, "replicas": strategy.num_replicas_in_sync,
   }
-  with strategy.scope(), training.replica_consistent_variables(strategy):
-    model = spec.build(seed=config.seed)
-    _compile(model, config)
+  with strategy.scope():
+    model = _build(config, spec, source)
+    _compile(model, config, spec)
     train_state = state_lib.TrainState(model, run_config=run_config)
 
   manager = None
@@ -155,20 +179,8 @@ def run(config):
         "--model_dir.")
 
   cbs = []
-  handler = None
   if manager is not None:
-    every = tfdp_callbacks.CheckpointEvery(manager, config.checkpoint_every_steps)
-    cbs.append(every)
-
-    def save_for_preemption(step):
-      if every.last_saved_step != step:
-        manager.save(checkpoint_number=step)
-      manager.wait_until_finished()
-      return manager.latest_checkpoint
-
-    handler = preemption.SignalHandler(config.preemption_grace_seconds).install()
-    cbs.append(preemption.PreemptionCallback(save_for_preemption, handler=handler))
-  cbs.append(heartbeat.Heartbeat())  # progress for tfdp-launch --hang_timeout
+    cbs.append(tfdp_callbacks.CheckpointEvery(manager, config.checkpoint_every_steps))
   if chief:
     cbs.append(tfdp_callbacks.Throughput(config.global_batch_size))
     if config.model_dir:
@@ -176,23 +188,13 @@ def run(config):
           os.path.join(config.model_dir, "logs"), update_freq=max(1, steps_per_epoch // 4)))
 
   def make_dataset(first_step):
-    return data.distribute(strategy, source, global_batch_size=config.global_batch_size,
-                           seed=config.seed, start_step=first_step)
+    return source.distribute(strategy, global_batch_size=config.global_batch_size,
+                             seed=config.seed, start_step=first_step)
 
-  try:
-    histories = training.fit(
-        model, make_dataset, start_step=start_step, train_steps=config.train_steps,
-        steps_per_epoch=steps_per_epoch, callbacks=cbs,
-        verbose="auto" if chief else 0)
-  except preemption.Preempted as e:
-    manager.close()
-    if chief:
-      logging.warning("Preempted: saved %s at step %d; run the same command "
-                      "again to resume.", e.checkpoint, e.step)
-    raise
-  finally:
-    if handler is not None:
-      handler.uninstall()
+  histories = training.fit(
+      model, make_dataset, start_step=start_step, train_steps=config.train_steps,
+      steps_per_epoch=steps_per_epoch, callbacks=cbs,
+      verbose="auto" if chief else 0)
 
   path = None
   if manager is not None:

@@ -13,7 +13,11 @@ from tfdp import strategy as strategy_lib
 FLAGS = flags.FLAGS
 
 flags.DEFINE_string("model", "cnn", "Model name from the models registry.")
-flags.DEFINE_string("dataset", "synthetic", "Dataset: synthetic.")
+flags.DEFINE_string("dataset", "synthetic",
+                    "synthetic (a learnable signal for every model), "
+                    "tfds:NAME[:CONFIG] (prepared under --data_dir; never "
+                    "downloaded) or text:PATH (a local corpus, one example "
+                    "a line; --model=bert).")
 flags.DEFINE_enum("strategy", "auto", list(strategy_lib.KINDS),
                   "Distribution strategy; auto picks from TF_CONFIG, GPUs and "
                   "--cpu_replicas.")
@@ -34,8 +38,30 @@ flags.DEFINE_integer("global_batch_size", 32,
 flags.DEFINE_integer("train_steps", 100, "Global step to train to.")
 flags.DEFINE_integer("steps_per_epoch", None,
                      "Steps per Keras epoch (default: one pass over the data).")
-flags.DEFINE_float("learning_rate", 0.05, "Learning rate of momentum SGD.")
+flags.DEFINE_float("learning_rate", None,
+                   "Peak learning rate, absolute (default: the model's; "
+                   "cnn 0.05, resnets 0.1 per 256 examples, bert 1e-3, dlrm 1e-3).")
+flags.DEFINE_float("base_learning_rate", None,
+                   "Peak learning rate per 256 examples, scaled linearly "
+                   "with --global_batch_size (Goyal et al.).")
+flags.DEFINE_integer("warmup_steps", 0,
+                     "Steps of linear learning-rate warmup from 0.",
+                     lower_bound=0)
+flags.DEFINE_enum("lr_decay", "constant", ["constant", "cosine", "linear"],
+                  "Learning-rate decay after warmup, to 0 at --train_steps.")
+flags.DEFINE_enum("optimizer", "auto", ["auto", "sgd", "adamw", "adam"],
+                  "auto: the model's (momentum SGD; AdamW for bert; Adam "
+                  "for dlrm).")
 flags.DEFINE_float("momentum", 0.9, "Momentum of SGD.")
+flags.DEFINE_float("weight_decay", None,
+                   "L2 weight decay for sgd (in the gradient, as Goyal et "
+                   "al.), decoupled for adamw; biases and normalisation "
+                   "parameters exempt (default: the model's; resnets 1e-4).")
+flags.DEFINE_float("label_smoothing", 0.0,
+                   "Label smoothing of the classification loss.")
+flags.DEFINE_bool("mixed_precision", False,
+                  "Compute in mixed_float16 on GPUs, mixed_bfloat16 on "
+                  "CPUs; variables stay float32.")
 flags.DEFINE_integer("seed", 0, "Seed of every random choice of the run.")
 flags.DEFINE_bool("deterministic", False,
                   "Enable TF op determinism (bitwise repeatable on CPU).")
@@ -55,13 +81,21 @@ flags.DEFINE_integer("max_shard_bytes", None,
 flags.DEFINE_bool("allow_config_mismatch", False,
                   "Resume from a checkpoint of a run with another global "
                   "batch size, dataset or seed.")
-flags.DEFINE_float("preemption_grace_seconds", 25.0,
-                   "After SIGTERM/SIGINT to any worker, all workers save at "
-                   "the next step they agree on and exit with code 75; a "
-                   "worker still running this many seconds after the signal "
-                   "exits with code 143 (0: wait forever). Needs --model_dir.")
 flags.DEFINE_integer("num_examples", 2048, "Size of the synthetic dataset.",
                      lower_bound=1)
+flags.DEFINE_string("data_dir", None,
+                    "TFDS data directory (default: TFDS's, ~/tensorflow_datasets).")
+flags.DEFINE_integer("image_size", None,
+                     "Side of the images fed to the model (default: the "
+                     "model's; resnet50 and keras_app 224, others 32).",
+                     lower_bound=8)
+flags.DEFINE_enum("bert_config", "tiny", ["tiny", "mini", "small", "base"],
+                  "BERT size for --model=bert (base: the 110M-parameter "
+                  "encoder).")
+flags.DEFINE_string("vocab_file", None,
+                    "WordPiece vocabulary (BERT vocab.txt) of text datasets.")
+flags.DEFINE_integer("seq_len", 128, "Tokens per masked-LM sequence.",
+                     lower_bound=8)
 
 
 def config_from_flags():
@@ -78,19 +112,8 @@ def main(argv):
   from tfdp import trainer  # pylint: disable=g-import-not-at-top
   # TF logs one INFO line per variable and collective; keep the console readable.
   tf.get_logger().setLevel("WARNING")
-  from tfdp import preemption  # pylint: disable=g-import-not-at-top
   try:
     trainer.run(config_from_flags())
-  except preemption.Preempted as e:
-    logging.warning("tfdp-train: %s; exiting with code %d.", e,
-                    preemption.EXIT_PREEMPTED)
-    return preemption.EXIT_PREEMPTED
-  except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-          tf.errors.AbortedError, tf.errors.CancelledError) as e:
-    from tfdp import heartbeat  # pylint: disable=g-import-not-at-top
-    if not heartbeat.is_peer_loss(e):
-      raise
-    heartbeat.exit_peer_lost(e)  # Exits at once with a line naming the peer.
   except errors.TfdpError as e:
     logging.error("%s", e)
     print(f"tfdp-train: error: {e}", file=sys.stderr)
