@@ -14,6 +14,7 @@ from absl import logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "256 MB only, 1 repetition (CI smoke, < 2 min).")
+flags.DEFINE_bool("smoke", False, "16 MB only, 1 repetition (tests: only checks it runs).")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_string("dir", None, "Scratch directory on the disk to measure "
                     "(default: a temp dir).")
@@ -24,6 +25,8 @@ flags.DEFINE_integer("mb", 256, "internal: state size in MB")
 flags.DEFINE_string("result", None, "internal: where a worker writes its result")
 
 _MB = 1 << 20
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
 _VAR_MB = 16  # State is made of float32 variables of this size.
 
 
@@ -216,13 +219,38 @@ def _table(rows):
   return "\n".join(lines)
 
 
+def _targets(rows):
+  """The issue's targets, from the largest state measured (2 workers where asked)."""
+  out = {}
+  big = max(r["state_MB"] for r in rows)
+  for r in rows:
+    if r["state_MB"] != big:
+      continue
+    tag = f"{r['state_MB']:.0f}MB_{r['workers']}w"
+    if r["workers"] == 2:
+      v = r["tfdp_bytes_per_save_x"] / r["stock_bytes_per_save_x"]
+      out[f"bytes_tfdp_vs_stock_{tag}"] = {"value": v, "op": "<=", "target": 0.55,
+                                           "met": v <= 0.55}
+    v = r["tfdp_async_blocked_s"] / r["tfdp_sync_s"]
+    out[f"async_blocked_vs_sync_{tag}"] = {"value": v, "op": "<=", "target": 0.10,
+                                           "met": v <= 0.10}
+    v = r["raw_write_s"] / r["tfdp_sync_s"]
+    out[f"sync_save_vs_raw_write_bw_{tag}"] = {"value": v, "op": ">=", "target": 0.70,
+                                               "met": v >= 0.70}
+    v = r["raw_read_s"] / r["tfdp_restore_s"]
+    out[f"restore_vs_raw_read_bw_{tag}"] = {"value": v, "op": ">=", "target": 0.70,
+                                            "met": v >= 0.70}
+  return out
+
+
 def main(argv):
   del argv
   if FLAGS.role == "worker":
     _worker()
     return
-  sizes = [256] if FLAGS.quick else [256, 1024]
-  reps = FLAGS.reps or (1 if FLAGS.quick else 2)
+  sizes = [16] if FLAGS.smoke else [256] if FLAGS.quick else [256, 1024]
+  reps = FLAGS.reps or (1 if FLAGS.quick or FLAGS.smoke else 2)
+  machine = bench_common.machine()
   base = FLAGS.dir or tempfile.mkdtemp(prefix="tfdp_bench_ckpt_")
   os.makedirs(base, exist_ok=True)
   rows = []
@@ -232,10 +260,17 @@ def main(argv):
       rows.append(_run_config(base, mb, n, reps))
       print(json.dumps(rows[-1]), flush=True)
   print(_table(rows))
+  targets = _targets(rows)
+  for k, v in targets.items():
+    print(f"  target {k}: {v['value']:.3f} {v['op']} {v['target']}: "
+          f"{'MET' if v['met'] else 'MISSED'}")
+  load_end = bench_common.load_average()
+  print(f"load average: start {machine['load_avg_start']}, end {load_end}")
   if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      json.dump({"rows": rows, "quick": FLAGS.quick, "reps": reps,
-                 "dir": base}, f, indent=1)
+    bench_common.write_json(FLAGS.out, {
+        "rows": rows, "quick": FLAGS.quick, "smoke": FLAGS.smoke, "reps": reps,
+        "dir": base, "targets": targets, "machine": machine,
+        "load_avg_end": load_end, "command": " ".join(sys.argv)})
   if not FLAGS.dir:
     shutil.rmtree(base, ignore_errors=True)
 

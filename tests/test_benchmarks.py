@@ -1,0 +1,63 @@
+"""Smoke test of the benchmark scripts: each runs its --smoke mode and writes JSON with the expected keys (no timings asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# script -> top-level keys its JSON must have.
+SCRIPTS = {
+    "bench_train.py": ["machine", "throughput", "allreduce", "scaling", "load"],
+    "bench_resume.py": ["machine", "rows", "ratio_largest_vs_smallest", "target"],
+    "bench_checkpoint.py": ["rows", "targets", "machine"],
+    "scaling_model.py": ["params", "rows", "references", "assumptions"],
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  """Runs every script's --smoke at once (they are mostly process start-up)."""
+  tmp = tmp_path_factory.mktemp("bench")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  env.pop("TF_CONFIG", None)
+  procs = {}
+  for script in SCRIPTS:
+    out = tmp / (script + ".json")
+    log = open(tmp / (script + ".log"), "w")  # pylint: disable=consider-using-with
+    procs[script] = (subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "scripts", script), "--smoke",
+         f"--out={out}"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
+                     out, log)
+  done = {}
+  for script, (proc, out, log) in procs.items():
+    try:
+      code = proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      code = "timeout"
+    log.close()
+    with open(log.name) as f:
+      tail = f.read()[-4000:]
+    done[script] = (code, out, tail)
+  return done
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_smoke_writes_json(results, script):
+  code, out, tail = results[script]
+  assert code == 0, f"{script} --smoke failed ({code}):\n{tail}"
+  with open(out) as f:
+    data = json.load(f)
+  for key in SCRIPTS[script]:
+    assert key in data, f"{script}: no {key!r} in its JSON"
+  if script == "bench_train.py":
+    assert {r["variant"] for r in data["throughput"]["rows"]} == {
+        "plain", "tfdp", "plain_ckpt", "tfdp_ckpt"}
+    assert data["allreduce"]["rows"] and "tcp_MBps" in data["allreduce"]
+    assert [r["workers"] for r in data["scaling"]["rows"]] == [1, 2]
+  if script == "bench_resume.py":
+    assert {r["variant"] for r in data["rows"]} == {"tfdp", "stock"}
