@@ -40,6 +40,7 @@ def test_a_survivor_exits_within_the_bound_naming_the_lost_peer(tmp_path):
       took = time.monotonic() - killed
   finally:
     group.stop(grace_seconds=0)
+    group.cleanup()
   for pump in group._pumps:  # pylint: disable=protected-access
     pump.join(timeout=5)
   out.seek(0)

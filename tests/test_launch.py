@@ -153,17 +153,20 @@ def test_restarts_after_failures_with_fresh_ports_and_the_restart_count(tmp_path
 
 
 def test_gives_up_after_max_restarts_with_a_summary_of_causes(tmp_path):
-  code, out, runs = _fake(tmp_path, "0:*:exit=4;*:0:exit=9", max_restarts=1)
+  code, out, runs = _fake(tmp_path, "0:1:exit=4;1:0:exit=9", max_restarts=1)
   assert code == launch.EXIT_WORKER_FAILED
   assert sorted(runs) == [0, 1]
   assert ("giving up after 1 restart(s) (--max_restarts=1); causes: attempt 1: "
-          "worker 0 exited with code 4; attempt 2: worker 0 exited with code 9.") in out
+          "worker 1 exited with code 4; attempt 2: worker 0 exited with code 9.") in out, out
 
 
-def test_the_worker_that_died_is_blamed_not_the_peer_that_lost_it(tmp_path):
-  # Both end in the same poll: the peer-loss exit (69) is a consequence.
-  code, out, _ = _fake(tmp_path, "0:0:exit=69;0:1:exit=3", max_restarts=0)
-  assert code == 1 and "job failed: worker 1 exited with code 3." in out
+def test_the_worker_that_died_is_blamed_not_the_peer_that_lost_it():
+  # Workers that end in the same poll: a death by a signal, then another
+  # non-zero exit, before the consequences (lost peer, preempted).
+  ended = [(0, launch.EXIT_PEER_LOST), (1, 3), (2, launch.EXIT_PREEMPTED)]
+  assert launch.first_failure(ended) == (1, 3)
+  assert launch.first_failure(ended + [(3, -signal.SIGKILL)]) == (3, -signal.SIGKILL)
+  assert launch.first_failure([(1, 75), (0, 75)]) == (0, 75)
 
 
 def test_a_hung_worker_is_detected_by_its_heartbeat_and_restarted(tmp_path):
@@ -183,7 +186,7 @@ def test_a_worker_that_never_beats_fails_the_startup_timeout(tmp_path):
 
 
 def test_a_preempted_worker_is_a_restartable_event(tmp_path):
-  code, out, runs = _fake(tmp_path, "0:*:exit=75", max_restarts=1)
+  code, out, runs = _fake(tmp_path, "0:0:exit=75", max_restarts=1)
   assert code == 0, out
   assert "restart 1/1: worker 0 was preempted (exit code 75)" in out
   assert sorted(runs) == [0, 1]

@@ -118,13 +118,19 @@ def _describe_exit(code):
 Failure = collections.namedtuple("Failure", "kind slot index code message")
 
 
-def _blame_rank(code):
-  """Which of several workers that ended in the same poll caused it (lower first)."""
-  if code < 0:
-    return 0       # killed: an outside cause
-  if code in (EXIT_PEER_LOST, EXIT_PREEMPTED):
-    return 2       # consequences of another worker's failure or a signal
-  return 1
+def first_failure(ended):
+  """The (index, code) to blame among workers that ended non-zero in the same poll.
+
+  A death by a signal comes first (an outside cause), then other non-zero
+  exits, then exits that are consequences of another worker's failure or
+  of a signal (EXIT_PEER_LOST, EXIT_PREEMPTED); ties go to the lower index.
+  """
+  def rank(index_code):
+    index, code = index_code
+    if code < 0:
+      return (0, index)
+    return (2 if code in (EXIT_PEER_LOST, EXIT_PREEMPTED) else 1, index)
+  return min(ended, key=rank)
 
 
 class _Pump(threading.Thread):
@@ -291,7 +297,7 @@ class Launcher:
         ended = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)
                  and not (self.signalled and c == EXIT_PREEMPTED)]
         if ended:
-          i, code = min(ended, key=lambda ic: (_blame_rank(ic[1]), ic[0]))
+          i, code = first_failure(ended)
           kind = "preempted" if code == EXIT_PREEMPTED else "exit"
           failure = Failure(kind, self.slots[i], i, code,
                             f"worker {i} {_describe_exit(code)}")
@@ -506,7 +512,8 @@ def launch(command, num_workers, env=None, *, port=None,
       state["launcher"] = launcher
       launcher.signalled = state["signalled"] is not None
       if state["signalled"] is not None:
-        break
+        log("stopped by a signal before the restart; causes: " + "; ".join(causes) + ".")
+        return EXIT_WORKER_FAILED
       launcher.start()
       failure = launcher.watch()
       if state["signalled"] is not None or launcher.signalled:
