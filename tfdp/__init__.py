@@ -8,6 +8,7 @@ _compat.apply()
 from tfdp import callbacks
 from tfdp import data
 from tfdp import errors
+from tfdp import preemption
 from tfdp.checkpoint import CheckpointManager
 from tfdp.state import TrainState
 from tfdp.strategy import make_strategy
@@ -17,5 +18,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointManager", "TrainState", "callbacks", "data", "errors", "fit",
-    "make_strategy",
+    "make_strategy", "preemption",
 ]
