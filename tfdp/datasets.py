@@ -411,8 +411,10 @@ class _TfdsSource:
   def _read(self, indices):
     if self._index_map is not None:
       indices = self._index_map[indices]
-    getitems = getattr(self._ds, "__getitems__", None)
-    examples = getitems(indices.tolist()) if getitems else [self._ds[int(i)] for i in indices]
+    # One by one, not `__getitems__`: ArrayRecord's batched read submits to a
+    # thread pool, which fails (and can hang the process) when tf.data's
+    # prefetch calls it during interpreter shutdown.
+    examples = [self._ds[int(i)] for i in indices]
     return tuple(np.asarray(a, d) for a, d in zip(self._convert(examples), self._dtypes))
 
   def fetch(self, indices):
