@@ -12,6 +12,7 @@ from tfdp import callbacks as tfdp_callbacks
 from tfdp import data
 from tfdp import datasets as datasets_lib
 from tfdp import errors
+from tfdp import heartbeat
 from tfdp import optim
 from tfdp import state as state_lib
 from tfdp import strategy as strategy_lib
@@ -181,6 +182,7 @@ def run(config):
   cbs = []
   if manager is not None:
     cbs.append(tfdp_callbacks.CheckpointEvery(manager, config.checkpoint_every_steps))
+  cbs.append(heartbeat.Heartbeat())  # progress for tfdp-launch --hang_timeout
   if chief:
     cbs.append(tfdp_callbacks.Throughput(config.global_batch_size))
     if config.model_dir:

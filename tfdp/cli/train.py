@@ -114,6 +114,12 @@ def main(argv):
   tf.get_logger().setLevel("WARNING")
   try:
     trainer.run(config_from_flags())
+  except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+          tf.errors.AbortedError, tf.errors.CancelledError) as e:
+    from tfdp import heartbeat  # pylint: disable=g-import-not-at-top
+    if not heartbeat.is_peer_loss(e):
+      raise
+    heartbeat.exit_peer_lost(e)  # Exits at once with a line naming the peer.
   except errors.TfdpError as e:
     logging.error("%s", e)
     print(f"tfdp-train: error: {e}", file=sys.stderr)
