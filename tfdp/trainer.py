@@ -14,6 +14,7 @@ from tfdp import datasets as datasets_lib
 from tfdp import errors
 from tfdp import heartbeat
 from tfdp import optim
+from tfdp import preemption
 from tfdp import state as state_lib
 from tfdp import strategy as strategy_lib
 from tfdp import training
@@ -49,6 +50,7 @@ class TrainConfig:
   max_to_keep: int | None = 5
   max_shard_bytes: int | None = None
   allow_config_mismatch: bool = False
+  preemption_grace_seconds: float = preemption.DEFAULT_GRACE_SECONDS
   num_examples: int = 2048
   data_dir: str | None = None
   image_size: int | None = None
@@ -123,6 +125,10 @@ def _compile(model, config, spec):
 def run(config):
   """Trains as `config` says, resuming from `config.model_dir` if it holds a checkpoint.
 
+  With a model_dir, SIGTERM or SIGINT to any worker makes all workers save
+  at the same step and raise `tfdp.preemption.Preempted` (see
+  tfdp/preemption.py for the exit codes and the grace period).
+
   Returns:
     A TrainResult.
   """
@@ -149,7 +155,7 @@ def run(config):
       "global_batch_size": config.global_batch_size,
       "world_size": num_workers, "replicas": strategy.num_replicas_in_sync,
   }
-  with strategy.scope():
+  with strategy.scope(), training.replica_consistent_variables(strategy):
     model = _build(config, spec, source)
     _compile(model, config, spec)
     train_state = state_lib.TrainState(model, run_config=run_config)
@@ -180,8 +186,19 @@ def run(config):
         "--model_dir.")
 
   cbs = []
+  handler = None
   if manager is not None:
-    cbs.append(tfdp_callbacks.CheckpointEvery(manager, config.checkpoint_every_steps))
+    every = tfdp_callbacks.CheckpointEvery(manager, config.checkpoint_every_steps)
+    cbs.append(every)
+
+    def save_for_preemption(step):
+      if every.last_saved_step != step:
+        manager.save(checkpoint_number=step)
+      manager.wait_until_finished()
+      return manager.latest_checkpoint
+
+    handler = preemption.SignalHandler(config.preemption_grace_seconds).install()
+    cbs.append(preemption.PreemptionCallback(save_for_preemption, handler=handler))
   cbs.append(heartbeat.Heartbeat())  # progress for tfdp-launch --hang_timeout
   if chief:
     cbs.append(tfdp_callbacks.Throughput(config.global_batch_size))
@@ -193,10 +210,20 @@ def run(config):
     return source.distribute(strategy, global_batch_size=config.global_batch_size,
                              seed=config.seed, start_step=first_step)
 
-  histories = training.fit(
-      model, make_dataset, start_step=start_step, train_steps=config.train_steps,
-      steps_per_epoch=steps_per_epoch, callbacks=cbs,
-      verbose="auto" if chief else 0)
+  try:
+    histories = training.fit(
+        model, make_dataset, start_step=start_step, train_steps=config.train_steps,
+        steps_per_epoch=steps_per_epoch, callbacks=cbs,
+        verbose="auto" if chief else 0)
+  except preemption.Preempted as e:
+    manager.close()
+    if chief:
+      logging.warning("Preempted: saved %s at step %d; run the same command "
+                      "again to resume.", e.checkpoint, e.step)
+    raise
+  finally:
+    if handler is not None:
+      handler.uninstall()
 
   path = None
   if manager is not None:

@@ -81,6 +81,11 @@ flags.DEFINE_integer("max_shard_bytes", None,
 flags.DEFINE_bool("allow_config_mismatch", False,
                   "Resume from a checkpoint of a run with another global "
                   "batch size, dataset or seed.")
+flags.DEFINE_float("preemption_grace_seconds", 25.0,
+                   "After SIGTERM/SIGINT to any worker, all workers save at "
+                   "the next step they agree on and exit with code 75; a "
+                   "worker still running this many seconds after the signal "
+                   "exits with code 143 (0: wait forever). Needs --model_dir.")
 flags.DEFINE_integer("num_examples", 2048, "Size of the synthetic dataset.",
                      lower_bound=1)
 flags.DEFINE_string("data_dir", None,
@@ -112,8 +117,13 @@ def main(argv):
   from tfdp import trainer  # pylint: disable=g-import-not-at-top
   # TF logs one INFO line per variable and collective; keep the console readable.
   tf.get_logger().setLevel("WARNING")
+  from tfdp import preemption  # pylint: disable=g-import-not-at-top
   try:
     trainer.run(config_from_flags())
+  except preemption.Preempted as e:
+    logging.warning("tfdp-train: %s; exiting with code %d.", e,
+                    preemption.EXIT_PREEMPTED)
+    return preemption.EXIT_PREEMPTED
   except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
           tf.errors.AbortedError, tf.errors.CancelledError) as e:
     from tfdp import heartbeat  # pylint: disable=g-import-not-at-top
