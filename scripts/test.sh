@@ -13,6 +13,12 @@ echo "==> installing tfdp[test] into .venv"
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
 .venv/bin/python -m pip install --quiet -e ".[test]"
 
+# The multi-host test builds network namespaces with iproute2 (root only; it skips elsewhere).
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "==> installing iproute2 for the network-namespace test"
+  (apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null) || echo "could not install iproute2; the namespace test will skip"
+fi
+
 echo "==> running the test suite"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 set +e
