@@ -71,15 +71,16 @@ class Dataset:
 
   def distribute(self, strategy, *, global_batch_size, seed, start_step=0):
     """The distributed dataset whose element n is the batch of global step start_step + n."""
-    if self.source is not None:
-      return data.distribute(strategy, self.source, global_batch_size=global_batch_size,
-                             seed=seed, start_step=start_step, transform=self.transform)
-    data.per_replica_batch_size(global_batch_size, strategy.num_replicas_in_sync)
     if self.worker_source is not None:
+      data.per_replica_batch_size(global_batch_size, strategy.num_replicas_in_sync)
       return strategy.distribute_datasets_from_function(
           lambda ctx: self._worker_dataset(ctx, global_batch_size, seed, start_step))
-    return strategy.distribute_datasets_from_function(
-        lambda ctx: self._sequential_dataset(ctx, global_batch_size, start_step))
+    source = self.source
+    if source is None:
+      # No random access: the O(k) fallback of reading and skipping.
+      source = data.DatasetSource(self.sequential, self.num_examples, self.name)
+    return data.distribute(strategy, source, global_batch_size=global_batch_size,
+                           seed=seed, start_step=start_step, transform=self.transform)
 
   def _worker_dataset(self, ctx, global_batch_size, seed, start_step):
     workers = ctx.num_input_pipelines
@@ -91,29 +92,6 @@ class Dataset:
         source, global_batch_size=global_batch_size // workers, seed=seed,
         start_step=start_step, transform=self.transform,
         input_context=tf.distribute.InputContext(1, 0, local))
-
-  def _sequential_dataset(self, ctx, global_batch_size, start_step):
-    replicas = ctx.num_replicas_in_sync
-    per_replica = global_batch_size // replicas
-    local = replicas // ctx.num_input_pipelines
-    first = ctx.input_pipeline_id * local
-    ds = self.sequential().repeat().skip(start_step * global_batch_size)
-    ds = ds.batch(global_batch_size, drop_remainder=True)
-
-    def split(step_offset, batch):
-      step = start_step + step_offset
-      parts = [tf.nest.map_structure(lambda t, r=r: t[r * per_replica:(r + 1) * per_replica], batch)
-               for r in range(first, first + local)]
-      if self.transform:
-        parts = [self.transform(p, step) for p in parts]
-      return tf.data.Dataset.from_tensor_slices(
-          tf.nest.map_structure(lambda *xs: tf.stack(xs), *parts))
-
-    ds = ds.enumerate().flat_map(split).prefetch(tf.data.AUTOTUNE)
-    options = tf.data.Options()
-    options.deterministic = True
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return ds.with_options(options)
 
 
 def load(name, *, task, seed=0, num_examples=2048, image_size=None, data_dir=None,
