@@ -1,32 +1,37 @@
-"""Training benchmark: tfdp vs plain Keras fit, RING all-reduce vs raw TCP, 1 vs 2 workers.
+"""Training benchmark: tfdp vs plain Keras fit, RING all-reduce vs raw TCP, 1 vs 2 workers."""
 
-Three parts, each in fresh processes (TF's devices and threads are fixed at
-start), each measuring ratios inside one run so that a busy machine slows
-the compared variants alike:
-
-* throughput: one process, one strategy (default: MirroredStrategy over 2
-  logical CPUs), one model per variant built from the same seed. Variants run
-  in rounds, the order rotated every round; each call runs warm-up steps then
-  timed windows; a variant's rate is the median of its windows' examples/s.
-    plain       model.fit on strategy.experimental_distribute_dataset of a
-                from_tensor_slices/shuffle/repeat/batch/prefetch pipeline.
-    plain_ckpt  plain + keras.callbacks.BackupAndRestore(save_freq=N) (the
-                stock way to checkpoint a Keras run; synchronous).
-    tfdp        tfdp.fit + tfdp.data.distribute over the same arrays.
-    tfdp_ckpt   tfdp + async tfdp.CheckpointManager every N steps
-                (tfdp.callbacks.CheckpointEvery); each timed window holds
-                exactly one save.
-* allreduce: 2 workers on localhost (tfdp-launch), MultiWorkerMirroredStrategy
-  with RING; all-reduce of a gradient list of S bytes (32 tensors of mixed
-  sizes) for each bytes_per_pack, interleaved; against raw loopback TCP
-  bandwidth (Python sockets, one direction and both directions at once)
-  measured by this process just before and after.
-* scaling: 1 vs 2 workers (tfdp.fit under MultiWorkerMirroredStrategy), one
-  intra-op thread each, the same per-worker batch (weak scaling);
-  efficiency = rate(2) / (2 * rate(1)).
-"""
+# Three parts, each in fresh processes (TF's devices and threads are fixed at
+# start), each measuring ratios inside one run so that a busy machine slows
+# the compared variants alike:
+#
+# * throughput: one process, one strategy (default: MirroredStrategy over 2
+#   logical CPUs), one model per variant built from the same seed. Variants run
+#   in rounds, the order rotated every round; each call runs warm-up steps then
+#   timed windows; a variant's rate is the median of its windows' examples/s.
+#     plain       model.fit on strategy.experimental_distribute_dataset of a
+#                 from_tensor_slices/shuffle/repeat/batch/prefetch pipeline.
+#     plain_ckpt  plain + keras.callbacks.BackupAndRestore(save_freq=N) (the
+#                 stock way to checkpoint a Keras run; synchronous).
+#     tfdp        tfdp.fit + tfdp.data.distribute over the same arrays.
+#     tfdp_ckpt   tfdp + async tfdp.CheckpointManager every N steps
+#                 (tfdp.callbacks.CheckpointEvery); each timed window holds
+#                 exactly one save.
+# * allreduce: 2 workers on localhost (tfdp-launch), MultiWorkerMirroredStrategy
+#   with RING; all-reduce of a gradient list of S bytes (32 tensors of mixed
+#   sizes) for each bytes_per_pack, interleaved; against raw loopback TCP
+#   bandwidth (Python sockets, one direction and both directions at once)
+#   measured by this process just before and after.
+# * scaling: 1 vs 2 workers (tfdp.fit under MultiWorkerMirroredStrategy), one
+#   intra-op thread each, the same per-worker batch (weak scaling);
+#   efficiency = rate(2) / (2 * rate(1)); "predicted" is the alpha-beta check:
+#   one worker's step time plus the all-reduce time of the model's gradients
+#   interpolated from the allreduce part (when it ran in the same invocation).
+#
+# The plain variants run in a process that imported tfdp, so tfdp.compat's
+# Keras patches are active for them too (they only change multi-worker paths).
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -69,6 +74,9 @@ flags.DEFINE_list("sizes_mb", None, "All-reduce sizes in MB.")
 flags.DEFINE_list("packs_mb", None, "bytes_per_pack values in MB (0 = TF's default: one pack).")
 flags.DEFINE_integer("reps", None, "All-reduce repetitions per (size, pack).")
 flags.DEFINE_integer("scaling_batch", 32, "Per-worker batch of the scaling part.")
+flags.DEFINE_list("scaling_models", ["mlp", "resnet20"],
+                  "Models of the scaling part: mlp is communication-bound "
+                  "(17 MB of gradients), resnet20 compute-bound (1.1 MB).")
 flags.DEFINE_float("max_load", 1.5, "Wait (up to --wait_quiet_s) for the 1-min load to drop below this.")
 flags.DEFINE_float("wait_quiet_s", 0.0, "Longest wait for a quiet machine before each part.")
 # Internal: one benchmark process.
@@ -91,7 +99,7 @@ def _settings():
   else:
     d = dict(warmup_steps=5, windows=2, rounds=8, window_steps=None,
              ckpt_every=None, sizes_mb=[1, 4, 16, 64, 256],
-             packs_mb=[0, 1, 4, 16, 32, 64], reps=5, scaling_rounds=3,
+             packs_mb=[0, 1, 4, 16, 32, 64], reps=5, scaling_rounds=2,
              tcp_mb=256, num_examples=None)
   for key in ("warmup_steps", "windows", "rounds", "window_steps", "reps"):
     if getattr(FLAGS, key) is not None:
@@ -187,7 +195,7 @@ def _throughput_worker(settings):
     with strategy.scope():
       model = _build_model(seed=0)
       _compile(model)
-    v = {"model": model, "rates": [], "extra": []}
+    v = {"model": model, "rates": [], "by_round": [], "extra": []}
     if name == "tfdp_ckpt":
       with strategy.scope():
         state = tfdp.TrainState(model, run_config={"global_batch_size": g})
@@ -227,8 +235,9 @@ def _throughput_worker(settings):
         t = time.perf_counter()
         v["manager"].wait_until_finished()
         v["extra"].append(time.perf_counter() - t)
-    v["rates"].extend(bench_common.window_rates(
-        stamps.stamps, g, settings["warmup_steps"], window))
+    rates = bench_common.window_rates(stamps.stamps, g, settings["warmup_steps"], window)
+    v["rates"].extend(rates)
+    v["by_round"].append(rates)
 
   names = list(variants)
   for r in range(settings["rounds"]):
@@ -243,6 +252,7 @@ def _throughput_worker(settings):
     res["variants"][name] = {
         "median_examples_per_s": bench_common.median(v["rates"]),
         "window_rates": v["rates"],
+        "window_rates_by_round": v["by_round"],
         "wait_after_call_s": v["extra"]}
   for v in variants.values():
     if "manager" in v:
@@ -391,7 +401,9 @@ def _scaling_worker(settings):
   rates = bench_common.window_rates(stamps.stamps, g, settings["warmup_steps"], window)
   if worker == 0:
     with open(FLAGS.result, "w") as f:
-      json.dump({"workers": n, "global_batch_size": g, "window_rates": rates}, f)
+      json.dump({"workers": n, "global_batch_size": g, "window_rates": rates,
+                 "grad_bytes": sum(int(v.numpy().nbytes)
+                                   for v in model.trainable_weights)}, f)
 
 
 # -- orchestration --
@@ -416,12 +428,12 @@ def _internal_args():
   return args
 
 
-def _run_job(base, role, num_workers=None, timeout=1800):
+def _run_job(base, role, num_workers=None, timeout=1800, extra_args=()):
   """Runs this script as `role` (through tfdp-launch when num_workers); returns worker 0's JSON."""
   from tfdp import launch  # pylint: disable=g-import-not-at-top
   result = os.path.join(base, f"{role}-{num_workers or 0}-{time.monotonic_ns()}.json")
   cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}",
-         f"--result={result}"] + _internal_args()
+         f"--result={result}"] + _internal_args() + list(extra_args)
   env = bench_common.worker_env()
   log_path = result[:-5] + ".log"
   with open(log_path, "w") as log:
@@ -452,13 +464,25 @@ def _throughput(base, settings):
     if name == "plain_ckpt" and "plain" in v:
       row["vs_tfdp"] = None
     rows.append(row)
+  # Paired ratios: each variant against plain in the same round (adjacent in
+  # time), so slow drifts of the machine's load cancel; median over rounds.
+  if "plain" in v:
+    base_rounds = [bench_common.median(r) for r in v["plain"]["window_rates_by_round"]]
+    for row in rows:
+      mine = [bench_common.median(r) for r in v[row["variant"]]["window_rates_by_round"]]
+      row["paired_vs_plain"] = bench_common.median(
+          [a / b for a, b in zip(mine, base_rounds) if b])
   targets = {}
   if "plain" in v and "tfdp" in v:
     ratio = v["tfdp"]["median_examples_per_s"] / v["plain"]["median_examples_per_s"]
-    targets["tfdp_vs_plain"] = {"ratio": ratio, "target": 0.97, "met": ratio >= 0.97}
+    paired = next(r["paired_vs_plain"] for r in rows if r["variant"] == "tfdp")
+    targets["tfdp_vs_plain"] = {"ratio": ratio, "paired_ratio": paired, "target": 0.97,
+                                "met": ratio >= 0.97, "paired_met": paired >= 0.97}
   if "plain" in v and "tfdp_ckpt" in v:
     ratio = v["tfdp_ckpt"]["median_examples_per_s"] / v["plain"]["median_examples_per_s"]
-    targets["tfdp_ckpt_vs_plain"] = {"ratio": ratio, "target": 0.95, "met": ratio >= 0.95}
+    paired = next(r["paired_vs_plain"] for r in rows if r["variant"] == "tfdp_ckpt")
+    targets["tfdp_ckpt_vs_plain"] = {"ratio": ratio, "paired_ratio": paired, "target": 0.95,
+                                     "met": ratio >= 0.95, "paired_met": paired >= 0.95}
   return {"rows": rows, "targets": targets, "raw": res,
           "settings": {"model": FLAGS.model, "global_batch_size": FLAGS.global_batch_size,
                        "strategy": FLAGS.strategy, "cpu_replicas": FLAGS.cpu_replicas,
@@ -470,11 +494,16 @@ def _throughput(base, settings):
 
 def _allreduce(base, settings):
   tcp_mb = settings["tcp_mb"]
-  tcp = {"one_way": [_tcp_bandwidth(tcp_mb * _MB)],
-         "both_ways": [_tcp_bandwidth(tcp_mb * _MB, both_directions=True)]}
+  tcp = {"one_way": [], "both_ways": []}
+
+  def measure_tcp():
+    for _ in range(3):
+      tcp["one_way"].append(_tcp_bandwidth(tcp_mb * _MB))
+      tcp["both_ways"].append(_tcp_bandwidth(tcp_mb * _MB, both_directions=True))
+
+  measure_tcp()
   res = _run_job(base, "allreduce", num_workers=2)
-  tcp["one_way"].append(_tcp_bandwidth(tcp_mb * _MB))
-  tcp["both_ways"].append(_tcp_bandwidth(tcp_mb * _MB, both_directions=True))
+  measure_tcp()
   tcp_one = bench_common.median(tcp["one_way"])
   tcp_both = bench_common.median(tcp["both_ways"])
   rows = res["rows"]
@@ -507,18 +536,50 @@ def _allreduce(base, settings):
           "recommended_speedup": score.get(recommended)}
 
 
-def _scaling(base, settings):
-  rates = {1: [], 2: []}
-  for r in range(settings["scaling_rounds"]):
-    for n in ((1, 2) if r % 2 == 0 else (2, 1)):
-      res = _run_job(base, "scaling", num_workers=n)
-      rates[n].extend(res["window_rates"])
-  r1, r2 = bench_common.median(rates[1]), bench_common.median(rates[2])
-  return {"rows": [{"workers": 1, "examples_per_s": r1, "speedup": 1.0, "efficiency": 1.0},
-                   {"workers": 2, "examples_per_s": r2, "speedup": r2 / r1,
-                    "efficiency": r2 / (2 * r1)}],
-          "per_worker_batch": FLAGS.scaling_batch, "intra_op_threads": 1,
-          "window_rates": {str(k): v for k, v in rates.items()}}
+def _allreduce_seconds(allreduce, nbytes, pack_mb):
+  """All-reduce time of nbytes at bytes_per_pack pack_mb, log-log interpolated from the table."""
+  pts = sorted((r["size_MB"] * _MB, r["median_s"]) for r in allreduce["rows"]
+               if r["bytes_per_pack_MB"] == pack_mb)
+  if not pts:
+    return None
+  if nbytes <= pts[0][0]:
+    return pts[0][1] * nbytes / pts[0][0]
+  for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+    if nbytes <= x1:
+      f = math.log(nbytes / x0) / math.log(x1 / x0)
+      return math.exp(math.log(y0) + f * math.log(y1 / y0))
+  return pts[-1][1] * nbytes / pts[-1][0]
+
+
+def _scaling(base, settings, allreduce=None):
+  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  pack = inspect.signature(strategy_lib.make_strategy).parameters["bytes_per_pack"].default
+  models = FLAGS.scaling_models[:1] if FLAGS.smoke else FLAGS.scaling_models
+  rows, samples = [], {}
+  for model in models:
+    rates, grad_bytes = {1: [], 2: []}, None
+    for r in range(settings["scaling_rounds"]):
+      for n in ((1, 2) if r % 2 == 0 else (2, 1)):
+        res = _run_job(base, "scaling", num_workers=n, extra_args=[f"--model={model}"])
+        rates[n].extend(res["window_rates"])
+        grad_bytes = res["grad_bytes"]
+    r1, r2 = bench_common.median(rates[1]), bench_common.median(rates[2])
+    # The alpha-beta check: one worker's step time plus the measured 2-worker
+    # all-reduce of this model's gradients (at the default bytes_per_pack).
+    t1 = FLAGS.scaling_batch / r1
+    t_ar = (_allreduce_seconds(allreduce, grad_bytes, pack / _MB)
+            if allreduce else None)
+    predicted = t1 / (t1 + t_ar) if t_ar else None
+    rows += [{"model": model, "grad_MB": grad_bytes / _MB, "workers": 1,
+              "examples_per_s": r1, "speedup": 1.0, "efficiency": 1.0},
+             {"model": model, "grad_MB": grad_bytes / _MB, "workers": 2,
+              "examples_per_s": r2, "speedup": r2 / r1, "efficiency": r2 / (2 * r1),
+              "predicted_efficiency": predicted, "allreduce_s": t_ar,
+              "step_s_1_worker": t1}]
+    samples[model] = {str(k): v for k, v in rates.items()}
+  return {"rows": rows, "per_worker_batch": FLAGS.scaling_batch, "intra_op_threads": 1,
+          "bytes_per_pack": pack, "window_rates": samples}
 
 
 def _print(out):
@@ -527,10 +588,14 @@ def _print(out):
     print(f"\nThroughput ({t['settings']}), examples/s: median of timed windows")
     print(bench_common.table(t["rows"], [
         ("variant", "variant", None), ("examples_per_s", "examples/s", "{:.1f}"),
-        ("vs_plain", "vs plain", "{:.3f}"), ("vs_tfdp", "vs tfdp", "{:.3f}"),
+        ("vs_plain", "vs plain", "{:.3f}"),
+        ("paired_vs_plain", "vs plain, paired by round", "{:.3f}"),
+        ("vs_tfdp", "vs tfdp", "{:.3f}"),
         ("windows", "windows", "{}")]))
     for k, v in t["targets"].items():
-      print(f"  target {k}: {v['ratio']:.3f} >= {v['target']}: {'MET' if v['met'] else 'MISSED'}")
+      print(f"  target {k}: {v['ratio']:.3f} (paired {v['paired_ratio']:.3f}) >= "
+            f"{v['target']}: {'MET' if v['met'] else 'MISSED'}"
+            f"{'' if v['paired_met'] == v['met'] else ' (paired: the other way)'}")
   if "allreduce" in out:
     a = out["allreduce"]
     tcp = a["tcp_MBps"]
@@ -548,8 +613,10 @@ def _print(out):
     print(f"\nScaling on localhost, {s['per_worker_batch']} examples per worker per step, "
           "1 intra-op thread per worker")
     print(bench_common.table(s["rows"], [
+        ("model", "model", None), ("grad_MB", "grad MB", "{:.1f}"),
         ("workers", "workers", "{}"), ("examples_per_s", "examples/s", "{:.1f}"),
-        ("speedup", "speedup", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}")]))
+        ("speedup", "speedup", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}"),
+        ("predicted_efficiency", "alpha-beta predicted", "{:.2f}")]))
   print(f"\nload average: start {out['machine']['load_avg_start']}, end {out['load_avg_end']}")
 
 
@@ -574,7 +641,10 @@ def main(argv):
                                          log=logging.info)
       logging.info("part %s (load %s)", part, load)
       t = time.perf_counter()
-      out[part] = parts[part](base, settings)
+      if part == "scaling":
+        out[part] = _scaling(base, settings, out.get("allreduce"))
+      else:
+        out[part] = parts[part](base, settings)
       out["load"][part] = {"before": load, "after": bench_common.load_average(),
                            "seconds": time.perf_counter() - t}
   finally:

@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark scripts: each runs its --smoke mode and writes JSON with the expected keys (no timings asserted)."""
+"""Smoke test of the benchmark scripts: each --smoke run writes JSON with the expected keys."""
 
 import json
 import os
@@ -58,6 +58,6 @@ def test_smoke_writes_json(results, script):
     assert {r["variant"] for r in data["throughput"]["rows"]} == {
         "plain", "tfdp", "plain_ckpt", "tfdp_ckpt"}
     assert data["allreduce"]["rows"] and "tcp_MBps" in data["allreduce"]
-    assert [r["workers"] for r in data["scaling"]["rows"]] == [1, 2]
+    assert [r["workers"] for r in data["scaling"]["rows"]][:2] == [1, 2]
   if script == "bench_resume.py":
     assert {r["variant"] for r in data["rows"]} == {"tfdp", "stock"}
