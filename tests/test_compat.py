@@ -126,22 +126,43 @@ def test_fix_is_needed(fix, tmp_path):
     assert any(not np.array_equal(w0[k], w1[k]) for k in keys)
 
 
-def _mirrored_fit():
+def _mirrored_fit(batch_norm=False):
   devices = tf.config.list_logical_devices("CPU")
   assert len(devices) >= 2, "conftest should split the CPU in 2"
-  strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+  # ReductionToOneDevice, as tfdp.make_strategy picks for CPU replicas: TF's
+  # default collective ops clash when several strategies share one process.
+  strategy = tf.distribute.MirroredStrategy(
+      [d.name for d in devices[:2]],
+      cross_device_ops=tf.distribute.ReductionToOneDevice())
   rng = np.random.RandomState(0)
   x = rng.uniform(-1, 1, size=(38, 4)).astype("float32")
   y = x.sum(axis=1, keepdims=True)
   keras.utils.set_random_seed(3)
   with strategy.scope():
-    model = keras.Sequential([
-        keras.Input((4,)), keras.layers.Dense(4),
-        keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(4)]
+        + ([keras.layers.BatchNormalization()] if batch_norm else [])
+        + [keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
   history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
   return (history.history, model.evaluate(x, y, batch_size=16, verbose=0),
-          model.predict(x, batch_size=16, verbose=0), model.get_weights())
+          model.predict(x, batch_size=16, verbose=0), model.get_weights(),
+          [[c.numpy() for c in v.value.values] for v in model.non_trainable_weights])
+
+
+def test_mirrored_batch_norm_statistics_agree_on_every_replica():
+  # Upstream: each device keeps its own moving statistics (a checkpoint holds
+  # device 0's); with the fix every replica holds their mean.
+  patched = _mirrored_fit(batch_norm=True)
+  compat.revert()
+  try:
+    upstream = _mirrored_fit(batch_norm=True)
+  finally:
+    compat.apply()
+  assert len(patched[4]) == 2  # moving mean and variance
+  for copies in patched[4]:
+    np.testing.assert_array_equal(copies[0], copies[1])
+  assert any(not np.array_equal(copies[0], copies[1]) for copies in upstream[4])
 
 
 def test_mirrored_strategy_behaves_as_upstream():
@@ -158,6 +179,7 @@ def test_mirrored_strategy_behaves_as_upstream():
   assert patched[2].shape == (38, 1)
   for a, b in zip(patched[3], upstream[3]):
     np.testing.assert_array_equal(a, b)
+  assert patched[4] == []  # no BatchNormalization: the aggregation fix has nothing to do
 
 
 def test_apply_is_idempotent():

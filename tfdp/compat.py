@@ -98,6 +98,15 @@ def _is_multi_worker(strategy):
   )
 
 
+def _is_multi_replica(strategy):
+  """Whether `strategy` mirrors variables over more than one replica."""
+  return (
+      isinstance(strategy, (tf.distribute.MirroredStrategy,
+                            tf.distribute.MultiWorkerMirroredStrategy))
+      and strategy.num_replicas_in_sync > 1
+  )
+
+
 # ---------------------------------------------------------------------------
 # Fix: symbolic build from the first batch.
 
@@ -335,15 +344,18 @@ def _install_non_trainable_mean_aggregation():
   Layer weights default to `aggregation="none"`. A MirroredVariable with no
   aggregation that is assigned in replica context (BatchNormalization's
   moving mean/variance during `fit`) only updates the local copy
-  (tensorflow/python/distribute/values.py _on_write_update_replica), so under
-  MultiWorkerMirroredStrategy every worker ends `fit` with its own moving
+  (tensorflow/python/distribute/values.py _on_write_update_replica). Under
+  MultiWorkerMirroredStrategy every worker then ends `fit` with its own moving
   statistics: the workers' weights differ, and so do their checkpoints and
-  predictions. tf-keras averaged them across replicas. Under multi-worker
-  MultiWorkerMirroredStrategy the patch creates floating-point non-trainable
-  layer weights whose caller left `aggregation` at its default with
-  `aggregation="mean"`, so each replica-context update is averaged over all
-  replicas (one small all-reduce per such weight per step). Other weights and
-  other strategies go to upstream unchanged.
+  predictions, with no error. Under MirroredStrategy each device keeps its own
+  and a checkpoint holds device 0's, so 1 worker x 2 replicas and 2 workers x
+  1 replica end with different statistics and a run cannot resume bitwise on
+  another topology. tf-keras averaged them across replicas. Under any
+  mirrored strategy with more than one replica the patch creates
+  floating-point non-trainable layer weights whose caller left `aggregation`
+  at its default with `aggregation="mean"`, so each replica-context update is
+  averaged over all replicas (one small all-reduce per such weight per step).
+  Other weights, and single-replica strategies, go to upstream unchanged.
   """
   original = keras_layer.Layer.add_weight
 
@@ -351,7 +363,7 @@ def _install_non_trainable_mean_aggregation():
   def add_weight(self, *args, **kwargs):
     if (not kwargs.get("trainable", True)
         and kwargs.get("aggregation", "none") in ("none", None)
-        and _is_multi_worker(tf.distribute.get_strategy())):
+        and _is_multi_replica(tf.distribute.get_strategy())):
       dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
       dtype = (keras.backend.standardize_dtype(dtype)
                if dtype is not None else self.variable_dtype)

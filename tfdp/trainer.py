@@ -155,7 +155,7 @@ def run(config):
       "global_batch_size": config.global_batch_size,
       "world_size": num_workers, "replicas": strategy.num_replicas_in_sync,
   }
-  with strategy.scope(), training.replica_consistent_variables(strategy):
+  with strategy.scope():
     model = _build(config, spec, source)
     _compile(model, config, spec)
     train_state = state_lib.TrainState(model, run_config=run_config)

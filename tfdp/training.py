@@ -1,10 +1,6 @@
 """`fit` that starts at any global step: Keras epochs cut so the data position is exact."""
 
-import contextlib
 import dataclasses
-import functools
-
-import keras
 
 from tfdp import errors
 
@@ -102,44 +98,3 @@ def fit(model, make_dataset, *, steps_per_epoch, epochs=None, train_steps=None,
     if getattr(model, "stop_training", False):
       break
   return histories
-
-
-@contextlib.contextmanager
-def replica_consistent_variables(strategy):
-  """Builds models whose non-trainable state is the same on every replica.
-
-  Keras 3 creates layer weights with `aggregation="none"`. Under
-  MirroredStrategy, a replica-context assign to such a variable (the moving
-  mean and variance of BatchNormalization during `fit`) updates only that
-  replica's copy (tensorflow/python/distribute/values.py
-  `_on_write_update_replica`), and a checkpoint keeps replica 0's. Under
-  multi-worker MultiWorkerMirroredStrategy `tfdp.compat` averages them over
-  all replicas instead, so 1 worker x 2 replicas and 2 workers x 1 replica
-  would end with different statistics. Inside this context, floating-point
-  non-trainable weights created with the default aggregation get
-  `aggregation="mean"` whenever `strategy` has more than one replica, which
-  makes every topology compute the same (and makes a resumed run
-  bitwise equal whatever topology it resumes on).
-  """
-  if strategy.num_replicas_in_sync <= 1:
-    yield
-    return
-  layer_cls = keras.layers.Layer
-  original = layer_cls.__dict__["add_weight"]
-
-  @functools.wraps(original)
-  def add_weight(self, *args, **kwargs):
-    if (not kwargs.get("trainable", True)
-        and kwargs.get("aggregation", "none") in ("none", None)):
-      dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
-      dtype = (keras.backend.standardize_dtype(dtype)
-               if dtype is not None else self.variable_dtype)
-      if "float" in dtype:
-        kwargs["aggregation"] = "mean"
-    return original(self, *args, **kwargs)
-
-  layer_cls.add_weight = add_weight
-  try:
-    yield
-  finally:
-    layer_cls.add_weight = original

@@ -41,7 +41,7 @@ def train(strategy, name, train_steps, run_eagerly=False, **overrides):
   spec = models.get(model_name)
   _, num_workers = strategy_lib.worker_info(strategy)
   source = trainer._source(config, spec, num_workers)  # pylint: disable=protected-access
-  with strategy.scope(), training.replica_consistent_variables(strategy):
+  with strategy.scope():
     model = trainer._build(config, spec, source)  # pylint: disable=protected-access
     trainer._compile(model, config, spec)  # pylint: disable=protected-access
     if run_eagerly:
