@@ -13,18 +13,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 FLAGS = flags.FLAGS
 MODALITIES = ("images", "text", "interactions")
 
-flags.DEFINE_string("data_dir", None, "TFDS data directory to write into.", required=True)
-flags.DEFINE_list("modality", list(MODALITIES), f"Which of {', '.join(MODALITIES)} to write.")
-flags.DEFINE_integer("num_examples", 512, "Examples in the train split.", lower_bound=1)
-flags.DEFINE_integer("image_size", 32, "Side of the images.", lower_bound=8)
-flags.DEFINE_integer("num_classes", 10, "Image classes.", lower_bound=2)
-flags.DEFINE_integer("num_shards", 4, "Files of the interactions split (workers read whole files).",
-                     lower_bound=1)
-flags.DEFINE_integer("vocab_size", 400, "Size of the WordPiece vocabulary written.", lower_bound=64)
-flags.DEFINE_enum("file_format", "array_record", ["array_record", "tfrecord"],
-                  "array_record gives random access (O(1) resume); tfrecord exercises "
-                  "the sequential fallback.")
-flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
 
 IMAGES, TEXT, INTERACTIONS = "tfdp_images", "tfdp_text", "tfdp_interactions"
 NUM_USERS, NUM_ITEMS, NUM_DENSE = 200, 100, 4
@@ -133,6 +121,23 @@ def write_interactions(data_dir, *, num_examples=512, num_shards=4, seed=0,
                 file_format, num_shards=num_shards)
 
 
+def define_flags():
+  """Defines the script's flags; only when run as a script, so that importing
+  its writers (as the tests do) leaves the global flag registry alone."""
+  flags.DEFINE_string("data_dir", None, "TFDS data directory to write into.", required=True)
+  flags.DEFINE_list("modality", list(MODALITIES), f"Which of {', '.join(MODALITIES)} to write.")
+  flags.DEFINE_integer("num_examples", 512, "Examples in the train split.", lower_bound=1)
+  flags.DEFINE_integer("image_size", 32, "Side of the images.", lower_bound=8)
+  flags.DEFINE_integer("num_classes", 10, "Image classes.", lower_bound=2)
+  flags.DEFINE_integer("num_shards", 4, "Files of the interactions split (workers read whole files).",
+                       lower_bound=1)
+  flags.DEFINE_integer("vocab_size", 400, "Size of the WordPiece vocabulary written.", lower_bound=64)
+  flags.DEFINE_enum("file_format", "array_record", ["array_record", "tfrecord"],
+                    "array_record gives random access (O(1) resume); tfrecord exercises "
+                    "the sequential fallback.")
+  flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -152,4 +157,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
