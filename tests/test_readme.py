@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 
 from absl import flags
 
@@ -20,6 +22,18 @@ def test_every_train_flag_is_in_the_flags_table():
   assert len(ours) > 10
   assert ours - documented == set(), "flags missing from README"
   assert documented - ours == set(), "README documents flags that do not exist"
+
+
+def test_python_example_runs_and_resumes(tmp_path):
+  code = re.search(r"```python\n(.*?)```", _readme(), re.S).group(1)
+  env = dict(os.environ, PYTHONPATH=REPO)
+  env.pop("TF_CONFIG", None)
+  for _ in range(2):  # the second run finds ckpt-48 and has nothing left to train
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=300,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    assert proc.returncode == 0, proc.stdout.decode()[-3000:]
+  assert sorted(f for f in os.listdir(tmp_path / "runs" / "example") if f.endswith(".index")) == [
+      "ckpt-16.index", "ckpt-32.index", "ckpt-48.index"]
 
 
 def test_quick_start_commands():
