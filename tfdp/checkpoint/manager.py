@@ -345,17 +345,25 @@ class CheckpointManager:
       raise errors.CheckpointError(
           f"No committed checkpoint in {self._directory} to restore.")
     man = manifest_lib.read_manifest(save_path)
+    # Sizes up front (missing and truncated files); the bytes themselves are
+    # checked by TF's restore, which verifies each tensor's CRC32C as it reads
+    # it. Only when that fails are the manifest checksums read, to name the
+    # file: checksumming every file first read the whole state twice.
     if self._verify:
       if man is not None:
-        manifest_lib.verify(save_path, man)
+        manifest_lib.verify(save_path, man, checksums=False)
       else:
         logging.warning("tfdp: %s has no tfdp manifest; restoring unverified.",
                         save_path)
     try:
       status = self._checkpoint.restore(save_path)
     except (tf.errors.DataLossError, tf.errors.OutOfRangeError) as e:
+      problems = (manifest_lib.check_files(save_path, man)
+                  if man is not None else [])
       raise errors.CorruptCheckpointError(
-          f"Checkpoint {save_path} cannot be read: {e}") from e
+          f"Checkpoint {save_path} is corrupt: "
+          + ("; ".join(problems) + ". " if problems else "")
+          + f"TensorFlow could not read it: {e}") from e
     if self._per_worker_ckpt is not None:
       self._restore_per_worker(save_path, man)
     return status

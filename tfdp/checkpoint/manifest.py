@@ -135,14 +135,19 @@ def check_files(prefix, manifest=None, checksums=True):
   return problems
 
 
-def verify(prefix, manifest=None):
+def verify(prefix, manifest=None, checksums=True):
   """Checks every file of checkpoint `prefix` against its manifest.
+
+  Args:
+    prefix: checkpoint prefix.
+    manifest: the manifest, read from disk when None.
+    checksums: also compare checksums (reads every byte); else sizes only.
 
   Raises:
     CorruptCheckpointError: naming each file that is missing, truncated or
       whose checksum differs.
   """
-  problems = check_files(prefix, manifest)
+  problems = check_files(prefix, manifest, checksums=checksums)
   if problems:
     raise errors.CorruptCheckpointError(
         f"Checkpoint {prefix} is corrupt: " + "; ".join(problems) +
