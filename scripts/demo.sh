@@ -36,4 +36,5 @@ LATEST="$(.venv/bin/python -c "import sys, tensorflow as tf; print(tf.train.late
 .venv/bin/tfdp-ckpt verify "$LATEST"
 echo
 echo "Latest checkpoint: $LATEST"
-echo "Run the same command again and it resumes there; TensorBoard logs: $MODEL_DIR/logs"
+echo "Run the tfdp-launch line above again with a larger --train_steps and it resumes there."
+echo "TensorBoard logs: $MODEL_DIR/logs"
