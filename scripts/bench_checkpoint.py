@@ -87,13 +87,21 @@ def _worker():
     total.append(time.perf_counter() - t)
   res["tfdp_async_blocked_s"] = min(blocked)
   res["tfdp_async_total_s"] = min(total)
-  # Restore (verify = read + checksum every file, then TF's restore).
-  t = time.perf_counter()
-  mgr.restore()
-  res["tfdp_restore_s"] = time.perf_counter() - t
-  t = time.perf_counter()
-  tf.train.Checkpoint(m=module).restore(mgr.latest_checkpoint)
-  res["tf_restore_noverify_s"] = time.perf_counter() - t
+  # Restore: tfdp (sizes checked, then TF's restore, which checks each
+  # tensor's CRC32C) vs TF's restore alone. The first restore in a process
+  # pays a one-time set-up (~0.1 s here) whichever goes first, so they
+  # alternate and the best of each counts.
+  tfdp_restore, tf_restore = [], []
+  for _ in range(max(2, reps)):
+    t = time.perf_counter()
+    mgr.restore()
+    tfdp_restore.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    tf.train.Checkpoint(m=module).restore(mgr.latest_checkpoint)
+    tf_restore.append(time.perf_counter() - t)
+  res["tfdp_restore_s"] = min(tfdp_restore)
+  res["tfdp_first_restore_s"] = tfdp_restore[0]
+  res["tf_restore_noverify_s"] = min(tf_restore)
 
   # Stock TF under MWMS: the chief saves, every other worker saves a full
   # copy to a temp dir and deletes it (Keras/TF multi-worker docs pattern).
@@ -173,7 +181,8 @@ def _run_config(base, mb, n, reps):
          "stock_bytes_per_save_x":
              sum(x["stock_bytes_this_worker"] for x in ws) / state}
   for key in ("tfdp_sync_s", "tfdp_async_blocked_s", "tfdp_async_total_s",
-              "tfdp_restore_s", "tf_restore_noverify_s", "stock_sync_s",
+              "tfdp_restore_s", "tfdp_first_restore_s",
+              "tf_restore_noverify_s", "stock_sync_s",
               "stock_async_blocked_s", "stock_async_total_s"):
     vals = [x[key] for x in ws if key in x]
     if vals:
@@ -197,7 +206,8 @@ def _table(rows):
           ("tfdp_async_blocked_s", "tfdp_async_blocked_s", "{:.3f}"),
           ("tfdp_async_total_s", "tfdp_async_total_s", "{:.2f}"),
           ("stock_async_blocked_s", "stock_async_blocked_s", "{:.3f}"),
-          ("tfdp_restore_s", "tfdp_restore_s(verify)", "{:.2f}"),
+          ("tfdp_restore_s", "tfdp_restore_s", "{:.2f}"),
+          ("tfdp_first_restore_s", "first_restore_s", "{:.2f}"),
           ("tf_restore_noverify_s", "tf_restore_s", "{:.2f}"),
           ("raw_read_s", "raw_read_s", "{:.2f}")]
   lines = [" | ".join(c[1] for c in cols)]

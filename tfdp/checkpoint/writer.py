@@ -214,7 +214,7 @@ class SaveJob:
       data = data_filename(shard_prefix, 0, 1)
       manifest_lib.fsync_file(data)
       manifest_lib.fsync_file(shard_prefix + ".index")
-      entry = manifest_lib.describe_file(data)
+      entry = manifest_lib.describe_data_file(data, [it.key for it in items])
       shards.append({
           "prefix": os.path.basename(shard_prefix),
           "data": entry,
