@@ -4,16 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  echo "==> creating .venv"
-  "$PYTHON" -m venv .venv
-fi
-if ! .venv/bin/python -c "import tfdp" 2>/dev/null; then
-  echo "==> installing tfdp into .venv (TensorFlow is large: a minute or two)"
-  .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-  .venv/bin/python -m pip install --quiet -e .
-fi
+source scripts/_venv.sh
+tfdp_venv "" if_missing
 
 MODEL_DIR="${MODEL_DIR:-$PWD/runs/demo}"
 rm -rf "$MODEL_DIR"

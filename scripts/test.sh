@@ -4,14 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  echo "==> creating .venv"
-  "$PYTHON" -m venv .venv
-fi
-echo "==> installing tfdp[test] into .venv"
-.venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-.venv/bin/python -m pip install --quiet -e ".[test]"
+source scripts/_venv.sh
+tfdp_venv "[test]"
 
 # The multi-host test builds network namespaces with iproute2 (root only; it skips elsewhere).
 if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

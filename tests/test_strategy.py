@@ -110,7 +110,8 @@ s = S.make_strategy("auto", cpu_replicas=2, all_reduce="ring", timeout_seconds=6
 ctx = lambda: tf.distribute.get_replica_context()
 r = s.run(lambda: ctx().all_reduce("SUM", tf.cast(ctx().replica_id_in_sync_group, tf.float32)))
 print("RESULT", type(s).__name__, s.num_replicas_in_sync, S.worker_info(s),
-      [float(x) for x in s.experimental_local_results(r)])
+      [float(x) for x in s.experimental_local_results(r)],
+      "pack", s.extended._communication_options.bytes_per_pack)
 """
 
 
@@ -118,8 +119,9 @@ def test_multi_worker_with_two_cpu_replicas_each():
   code, out = launch_workers([sys.executable, "-c", WORKER], num_workers=2, timeout=120)
   assert code == 0, out
   results = sorted(l.split("RESULT ", 1)[1] for l in out.splitlines() if "RESULT " in l)
-  # 4 replicas in sync (2 workers x 2), ids 0..3 sum to 6 on every replica.
+  # 4 replicas in sync (2 workers x 2), ids 0..3 sum to 6 on every replica;
+  # ring collectives get the default 4 MB gradient packs.
   assert results == [
-      "_MultiWorkerCpuReplicasStrategy 4 (0, 2) [6.0, 6.0]",
-      "_MultiWorkerCpuReplicasStrategy 4 (1, 2) [6.0, 6.0]",
+      "_MultiWorkerCpuReplicasStrategy 4 (0, 2) [6.0, 6.0] pack 4194304",
+      "_MultiWorkerCpuReplicasStrategy 4 (1, 2) [6.0, 6.0] pack 4194304",
   ], out

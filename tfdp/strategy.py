@@ -22,6 +22,15 @@ _TASK_TYPES = ("worker", "chief")
 # does not move with TF releases.
 DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
 
+# Gradient pack size of ring (gRPC) collective all-reduce when none is given.
+# scripts/bench_train.py --parts=allreduce, 2 workers on localhost, 2026-11-29
+# (README, Performance): 4 MB packs were 1.2-1.9x faster than one pack for
+# 64-256 MB of gradients in 3 of 4 runs, equal in the 4th, never slower; one
+# pack concatenates everything and cannot pipeline reduction and transfer.
+# NCCL keeps TF's single pack (0): it is most efficient with large messages,
+# and no GPU measurement says otherwise yet.
+DEFAULT_RING_BYTES_PER_PACK = 4 << 20
+
 # First port of the SLURM workers on each node (TFDP_PORT overrides it).
 DEFAULT_SLURM_PORT = 8888
 
@@ -319,8 +328,14 @@ def _mirrored_cross_device_ops(all_reduce, devices, options):
   return tf.distribute.ReductionToOneDevice()
 
 
+def default_bytes_per_pack(all_reduce, have_gpus):
+  """The pack size `make_strategy` uses when given none: 4 MB for ring, 0 for NCCL."""
+  ring = all_reduce == "ring" or not have_gpus
+  return DEFAULT_RING_BYTES_PER_PACK if ring else 0
+
+
 def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
-                  timeout_seconds=None, bytes_per_pack=0, cluster="auto",
+                  timeout_seconds=None, bytes_per_pack=None, cluster="auto",
                   peer_timeout_seconds=DEFAULT_PEER_TIMEOUT_SECONDS):
   """Creates the `tf.distribute.Strategy` for this process.
 
@@ -338,7 +353,8 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
       `ring`.
     timeout_seconds: collective timeout (multi_worker and ring), None = none.
     bytes_per_pack: split gradients into packs of this size for collective
-      all-reduce; 0 lets TF decide.
+      all-reduce; 0: one pack; None: 4 MB for ring (gRPC) collectives, one
+      pack for NCCL (`default_bytes_per_pack`).
     cluster: where the cluster comes from: `auto`, `tf_config` or `slurm`
       (see `resolve_cluster`).
     peer_timeout_seconds: multi_worker: a peer that sends no heartbeat to
@@ -383,6 +399,8 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
     raise errors.ConfigError(
         f"TF_CONFIG describes {workers} workers but strategy {kind!r} trains on "
         "one host; use --strategy=multi_worker (or auto), or unset TF_CONFIG.")
+  if bytes_per_pack is None:
+    bytes_per_pack = default_bytes_per_pack(all_reduce, bool(gpus))
   if not gpus:
     configure_cpu_replicas(cpu_replicas)
   elif cpu_replicas:

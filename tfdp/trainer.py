@@ -29,7 +29,7 @@ class TrainConfig:
   cpu_replicas: int | None = None
   all_reduce: str = "auto"
   collective_timeout: float | None = None
-  bytes_per_pack: int = 0
+  bytes_per_pack: int | None = None
   global_batch_size: int = 32
   train_steps: int = 100
   steps_per_epoch: int | None = None

@@ -160,7 +160,8 @@ class CheckpointManager:
       TFDP_RUN_ID). With a strategy, the workers agree on one by themselves.
     global_batch_size: recorded in the manifest.
     commit_timeout: seconds the chief waits for the other workers' shards.
-    verify_on_restore: check sizes and checksums before restoring.
+    verify_on_restore: check file sizes before restoring (TF checks each
+      tensor's CRC32C as it restores it).
     init_fn: called by restore_or_initialize() when there is no checkpoint.
   """
 
@@ -347,8 +348,8 @@ class CheckpointManager:
     man = manifest_lib.read_manifest(save_path)
     # Sizes up front (missing and truncated files); the bytes themselves are
     # checked by TF's restore, which verifies each tensor's CRC32C as it reads
-    # it. Only when that fails are the manifest checksums read, to name the
-    # file: checksumming every file first read the whole state twice.
+    # it. Only when that fails are the files checked one by one, to name the
+    # bad one: checking every file first read the whole state twice.
     if self._verify:
       if man is not None:
         manifest_lib.verify(save_path, man, checksums=False)

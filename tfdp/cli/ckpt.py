@@ -178,7 +178,8 @@ def build_parser():
                       "world size and whether intact")
   ls.add_argument("dir")
   ls.add_argument("--checksums", action="store_true",
-                  help="also compare checksums (reads every byte)")
+                  help="also check the bytes (reads every byte: the index's CRC-32, each "
+                  "tensor's CRC32C)")
   ls.set_defaults(fn=cmd_ls)
   v = sub.add_parser("verify", help="exit 0 only if every file matches the "
                      "manifest")

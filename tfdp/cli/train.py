@@ -29,9 +29,10 @@ flags.DEFINE_enum("all_reduce", "auto", list(strategy_lib.ALL_REDUCE),
                   "Gradient all-reduce implementation.")
 flags.DEFINE_float("collective_timeout", None,
                    "Seconds before a collective op gives up (multi-worker).")
-flags.DEFINE_integer("bytes_per_pack", 0,
-                     "Pack gradients into all-reduces of this many bytes "
-                     "(0: TF decides).", lower_bound=0)
+flags.DEFINE_integer("bytes_per_pack", None,
+                     "Pack gradients into all-reduces of this many bytes (0: "
+                     "one pack; default: 4 MB for ring collectives, one pack "
+                     "for NCCL).", lower_bound=0)
 flags.DEFINE_integer("global_batch_size", 32,
                      "Examples per step across all replicas; must divide by "
                      "the replica count.")
