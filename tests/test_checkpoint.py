@@ -249,6 +249,32 @@ def test_restore_or_initialize_falls_back_to_newest_intact(tmp_path):
   assert ckpt_worker.same(ckpt_worker.read(fresh), ckpt_worker.values(1))
 
 
+def test_a_worker_writes_big_state_as_parallel_files(tmp_path, monkeypatch):
+  # Each file must hold >= PARALLEL_MIN_FILE_BYTES; lowered so 12 small
+  # variables make 3 files, written at once by 3 threads.
+  monkeypatch.setattr(writer_lib, "PARALLEL_MIN_FILE_BYTES", 1000)
+  monkeypatch.setattr(writer_lib, "PARALLEL_FILES", 3)
+  rng = np.random.default_rng(0)
+  vals = [rng.standard_normal(250 + 50 * i).astype(np.float32) for i in range(12)]
+  vs = [tf.Variable(v) for v in vals]
+  mgr = CheckpointManager(tf.train.Checkpoint(vs=vs), str(tmp_path))
+  prefix = mgr.save()
+  man = manifest_lib.read_manifest(prefix)
+  data = [f for f in man["files"] if ".data-" in f["name"]]
+  assert len(data) == 3 and man["num_shards"] == 3
+  sizes = [f["size"] for f in data]
+  assert max(sizes) < 1.3 * min(sizes), sizes  # balanced by bytes
+  keys = [k for f in data for k in f["tensors"]]
+  assert len(keys) == len(set(keys)) == 14  # 12 variables, save_counter, object graph
+  code, out = _cli("verify", prefix)
+  assert code == 0, out
+  for v in vs:
+    v.assign(tf.zeros_like(v))
+  mgr.restore(prefix)
+  for v, want in zip(vs, vals):
+    np.testing.assert_array_equal(v.numpy(), want)
+
+
 def test_async_error_surfaces_in_training_thread(tmp_path):
   v = tf.Variable(1.0)
   mgr = CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path),
@@ -283,6 +309,10 @@ def test_retention_keep_last_hours_best(tmp_path):
     mgr.save(metrics={"loss": loss})
   names = [os.path.basename(p) for p in mgr.checkpoints]
   assert names == ["ckpt-2", "ckpt-4", "ckpt-5"]
+  # Dropped checkpoints lose their manifest at once, their files in the background.
+  assert sorted(f[:-len(".manifest.json")] for f in os.listdir(tmp_path)
+                if f.endswith(".manifest.json")) == names
+  mgr.wait_until_finished()
   assert sorted({f.split(".")[0] for f in os.listdir(tmp_path)
                  if f.startswith("ckpt-")}) == names
   with pytest.raises(errors.CheckpointError, match="already exists"):

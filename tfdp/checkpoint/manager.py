@@ -309,7 +309,10 @@ class CheckpointManager:
       mine = mine + writer_lib.gather(
           self._per_worker_ckpt, writer_lib.per_worker_prefix(self._worker),
           with_object_graph=False)
-    files = writer_lib.split_files(mine, self._max_shard_bytes)
+    if self._max_shard_bytes:
+      files = writer_lib.split_files(mine, self._max_shard_bytes)
+    else:
+      files = writer_lib.split_for_parallel_write(mine)
     if self._async:
       files = [writer_lib.snapshot(f) for f in files]
     del items, mine
@@ -446,17 +449,34 @@ class CheckpointManager:
         all_model_checkpoint_paths=[e.prefix for e in current],
         all_model_checkpoint_timestamps=[e.time for e in current],
         save_relative_paths=True)
-    for e in dropped:
-      self._delete(e.prefix)
+    # Manifests now (a dropped checkpoint is no longer committed when save()
+    # returns), data files in the background: deleting 1 GB took 0.24 s here,
+    # 15% of a sync save. The next save(), restore() or wait_until_finished()
+    # waits for it; files left by a crash have no manifest and are removed by
+    # the next manager's cleanup.
+    dropped = [e.prefix for e in dropped if self._uncommit(e.prefix)]
+    if not dropped:
+      return
+    if self._async:  # Already in the writer's thread.
+      self._delete_files(dropped)
+    else:
+      self._writer.submit(lambda: self._delete_files(dropped))
 
-  def _delete(self, prefix):
-    # Manifest first: a half-deleted checkpoint must not look committed.
+  def _uncommit(self, prefix):
     try:
       tf.io.gfile.remove(manifest_lib.manifest_path(prefix))
-      for path in tf.io.gfile.glob(prefix + ".*"):
-        tf.io.gfile.remove(path)
+      return True
     except tf.errors.OpError as e:
       logging.warning("tfdp: could not delete old checkpoint %s: %s", prefix, e)
+      return False
+
+  def _delete_files(self, prefixes):
+    for prefix in prefixes:
+      try:
+        for path in tf.io.gfile.glob(prefix + ".*"):
+          tf.io.gfile.remove(path)
+      except tf.errors.OpError as e:
+        logging.warning("tfdp: could not delete old checkpoint %s: %s", prefix, e)
 
   def _restore_per_worker(self, save_path, man):
     reader = tf.train.load_checkpoint(save_path)
