@@ -21,8 +21,8 @@
 #   sizes) for each bytes_per_pack, interleaved; against raw loopback TCP
 #   bandwidth (Python sockets, one direction and both directions at once)
 #   measured by this process just before and after.
-# * scaling: 1 vs 2 workers (tfdp.fit under MultiWorkerMirroredStrategy), one
-#   intra-op thread each, the same per-worker batch (weak scaling);
+# * scaling: 1 vs 2 workers (tfdp.fit under MultiWorkerMirroredStrategy), each
+#   pinned to its own core with one intra-op thread, the same per-worker batch (weak scaling);
 #   efficiency = rate(2) / (2 * rate(1)); "predicted" is the alpha-beta check:
 #   one worker's step time plus the all-reduce time of the model's gradients
 #   interpolated from the allreduce part (when it ran in the same invocation).
@@ -376,7 +376,16 @@ def _tcp_bandwidth(nbytes, both_directions=False, chunk=4 * _MB):
 
 
 def _scaling_worker(settings):
-  """One worker of a 1- or 2-worker job: tfdp.fit with one intra-op thread; writes window rates."""
+  """One worker of a 1- or 2-worker job: tfdp.fit on one CPU core; writes window rates.
+
+  Each worker is pinned to its own core (worker i -> core i mod cores): with
+  only one intra-op thread, TF's inter-op threads still kept ~1.4 cores busy
+  for ResNet-20, so one worker alone used most of the machine and two could
+  not scale.
+  """
+  task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+  if hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {int(task.get("index", 0)) % (os.cpu_count() or 1)})
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.threading.set_intra_op_parallelism_threads(1)
   import tfdp  # pylint: disable=g-import-not-at-top
@@ -551,10 +560,49 @@ def _allreduce_seconds(allreduce, nbytes, pack_mb):
   return pts[-1][1] * nbytes / pts[-1][0]
 
 
+_CORE_PROBE = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+x = tf.random.normal([8, 32, 32, 64])
+k = tf.random.normal([3, 3, 64, 64])
+f = tf.function(lambda: tf.nn.conv2d(x, k, 1, "SAME"))
+f()
+t = time.perf_counter()
+for _ in range(int(sys.argv[2])):
+  f()
+print(time.perf_counter() - t)
+"""
+
+
+def _core_ceiling(iterations):
+  """What 2 cores give over 1 for the same compute-bound TF kernel (conv2d).
+
+  Two processes pinned to cores 0 and 1 against one alone: a VM's vCPUs can
+  share a physical core's vector units, and then no training job scales by 2
+  on them either.
+  """
+  def run(cores):
+    procs = [subprocess.Popen([sys.executable, "-c", _CORE_PROBE, str(c), str(iterations)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, env=bench_common.worker_env())
+             for c in cores]
+    return [float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+  if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+    return None
+  alone = run([0])[0]
+  both = run([0, 1])
+  return (iterations / both[0] + iterations / both[1]) / (2 * iterations / alone)
+
+
 def _scaling(base, settings, allreduce=None):
   from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
   pack = inspect.signature(strategy_lib.make_strategy).parameters["bytes_per_pack"].default
+  if pack is None:  # The default for ring collectives between CPU workers.
+    pack = strategy_lib.default_bytes_per_pack("ring", have_gpus=False)
   models = FLAGS.scaling_models[:1] if FLAGS.smoke else FLAGS.scaling_models
   rows, samples = [], {}
   for model in models:
@@ -578,7 +626,9 @@ def _scaling(base, settings, allreduce=None):
               "predicted_efficiency": predicted, "allreduce_s": t_ar,
               "step_s_1_worker": t1}]
     samples[model] = {str(k): v for k, v in rates.items()}
+  ceiling = _core_ceiling(20 if FLAGS.smoke else 300)
   return {"rows": rows, "per_worker_batch": FLAGS.scaling_batch, "intra_op_threads": 1,
+          "cores_per_worker": 1, "core_ceiling_efficiency": ceiling,
           "bytes_per_pack": pack, "window_rates": samples}
 
 
@@ -611,12 +661,15 @@ def _print(out):
   if "scaling" in out:
     s = out["scaling"]
     print(f"\nScaling on localhost, {s['per_worker_batch']} examples per worker per step, "
-          "1 intra-op thread per worker")
+          "each worker pinned to its own core, 1 intra-op thread")
     print(bench_common.table(s["rows"], [
         ("model", "model", None), ("grad_MB", "grad MB", "{:.1f}"),
         ("workers", "workers", "{}"), ("examples_per_s", "examples/s", "{:.1f}"),
         ("speedup", "speedup", "{:.2f}"), ("efficiency", "efficiency", "{:.2f}"),
         ("predicted_efficiency", "alpha-beta predicted", "{:.2f}")]))
+    if s.get("core_ceiling_efficiency") is not None:
+      print(f"  ceiling of this machine: 2 processes of a compute-bound TF conv2d "
+            f"on cores 0 and 1 reach {s['core_ceiling_efficiency']:.2f} of 2x one alone")
   print(f"\nload average: start {out['machine']['load_avg_start']}, end {out['load_avg_end']}")
 
 
