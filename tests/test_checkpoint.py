@@ -247,6 +247,18 @@ def test_restore_or_initialize_falls_back_to_newest_intact(tmp_path):
   mgr2 = CheckpointManager(tf.train.Checkpoint(model=fresh), str(tmp_path))
   assert mgr2.restore_or_initialize() == str(tmp_path / "ckpt-1")
   assert ckpt_worker.same(ckpt_worker.read(fresh), ckpt_worker.values(1))
+  # The corrupt one is set aside, so training goes on from ckpt-1 and saves
+  # ckpt-2 again, and a restart does not trip over it.
+  assert mgr2.checkpoints == [str(tmp_path / "ckpt-1")]
+  assert os.path.exists(second + ".manifest.json.corrupt")
+  assert tf.train.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-1")
+  ckpt_worker.assign(fresh, ckpt_worker.values(3))
+  assert mgr2.save(checkpoint_number=2) == second
+  mgr3 = CheckpointManager(tf.train.Checkpoint(model=ckpt_worker.make_state(None)),
+                           str(tmp_path))
+  assert mgr3.restore_or_initialize() == second
+  assert ckpt_worker.same(ckpt_worker.read(mgr3.checkpoint.model),
+                          ckpt_worker.values(3))
 
 
 def test_a_worker_writes_big_state_as_parallel_files(tmp_path, monkeypatch):
@@ -317,6 +329,10 @@ def test_retention_keep_last_hours_best(tmp_path):
                  if f.startswith("ckpt-")}) == names
   with pytest.raises(errors.CheckpointError, match="already exists"):
     mgr.save(checkpoint_number=5)
+  # A lower number would be dropped at once and resumed from by nobody.
+  with pytest.raises(errors.CheckpointError, match="would be older than ckpt-5"):
+    mgr.save(checkpoint_number=3)
+  assert os.path.basename(mgr.save(checkpoint_number=9)) == "ckpt-9"
 
 
 def _read_safetensors(path):

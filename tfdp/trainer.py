@@ -168,15 +168,25 @@ def run(config):
         max_to_keep=config.max_to_keep, async_save=config.async_checkpoint,
         max_shard_bytes=config.max_shard_bytes,
         global_batch_size=config.global_batch_size, strategy=strategy)
-    latest = manager.latest_checkpoint
-    if latest:
-      diffs = train_state.check_compatible(
-          state_lib.read_run_config(latest), config.allow_config_mismatch)
-      for d in diffs:
-        logging.warning("Resuming despite a config mismatch: %s", d)
-      with strategy.scope():
-        manager.restore(latest)
-      logging.info("Restored %s at step %d.", latest, train_state.step)
+    # The newest intact checkpoint: a corrupt one is set aside by restore()
+    # (and reported), then the next older is tried.
+    for prefix in reversed(manager.checkpoints):
+      try:
+        saved = state_lib.read_run_config(prefix)
+      except tf.errors.OpError:
+        saved = None  # Unreadable: restore() below says why.
+      if saved is not None:
+        diffs = train_state.check_compatible(saved, config.allow_config_mismatch)
+        for d in diffs:
+          logging.warning("Resuming despite a config mismatch: %s", d)
+      try:
+        with strategy.scope():
+          manager.restore(prefix)
+      except errors.CorruptCheckpointError as e:
+        logging.warning("Skipping a corrupt checkpoint: %s", e)
+        continue
+      logging.info("Restored %s at step %d.", prefix, train_state.step)
+      break
 
   start_step = train_state.step
   if start_step > config.train_steps:

@@ -20,6 +20,8 @@ from tfdp.checkpoint import retention
 from tfdp.checkpoint import writer as writer_lib
 
 RUN_ID_ENV = "TFDP_RUN_ID"
+# Appended to the manifest of a checkpoint found corrupt at restore.
+CORRUPT_SUFFIX = ".corrupt"
 
 
 def _is_multi_worker(strategy):
@@ -301,6 +303,16 @@ class CheckpointManager:
       raise errors.CheckpointError(
           f"Checkpoint {prefix} already exists; pass another "
           "checkpoint_number or delete it first.")
+    with self._lock:
+      newest = max((e.number for e in self._entries), default=None)
+    if newest is not None and number < newest:
+      # Retention and latest_checkpoint go by number: a lower one would be
+      # dropped as the oldest at once, and a restart would resume the other.
+      raise errors.CheckpointError(
+          f"Checkpoint {prefix} would be older than {self._name}-{newest}, "
+          f"already in {self._directory}. Restore the newest checkpoint "
+          "before training on (restore_or_initialize()), train into a new "
+          "directory, or delete the newer checkpoints to roll back.")
     if metrics is not None:
       metrics = {str(k): float(v) for k, v in metrics.items()}
     items = writer_lib.gather(self._checkpoint)
@@ -348,6 +360,20 @@ class CheckpointManager:
     if save_path is None:
       raise errors.CheckpointError(
           f"No committed checkpoint in {self._directory} to restore.")
+    try:
+      status = self._restore_verified(save_path)
+    except errors.CorruptCheckpointError as e:
+      aside = self._set_aside(save_path)
+      if aside is None:
+        raise
+      raise errors.CorruptCheckpointError(
+          f"{e} It is no longer a committed checkpoint (manifest moved to "
+          f"{aside}); the newest intact one is {self.latest_checkpoint}.") from e
+    if self._per_worker_ckpt is not None:
+      self._restore_per_worker(save_path, manifest_lib.read_manifest(save_path))
+    return status
+
+  def _restore_verified(self, save_path):
     man = manifest_lib.read_manifest(save_path)
     # Sizes up front (missing and truncated files); the bytes themselves are
     # checked by TF's restore, which verifies each tensor's CRC32C as it reads
@@ -360,17 +386,20 @@ class CheckpointManager:
         logging.warning("tfdp: %s has no tfdp manifest; restoring unverified.",
                         save_path)
     try:
-      status = self._checkpoint.restore(save_path)
-    except (tf.errors.DataLossError, tf.errors.OutOfRangeError) as e:
+      return self._checkpoint.restore(save_path)
+    except tf.errors.OpError as e:
+      # A bad CRC32C is a DataLossError for a variable but a plain OpError
+      # for the object graph (TF's py_checkpoint_reader), so any error gets
+      # the files checked; corrupt only if they fail (or TF says data loss).
       problems = (manifest_lib.check_files(save_path, man)
                   if man is not None else [])
+      if not problems and not isinstance(
+          e, (tf.errors.DataLossError, tf.errors.OutOfRangeError)):
+        raise
       raise errors.CorruptCheckpointError(
           f"Checkpoint {save_path} is corrupt: "
           + ("; ".join(problems) + ". " if problems else "")
           + f"TensorFlow could not read it: {e}") from e
-    if self._per_worker_ckpt is not None:
-      self._restore_per_worker(save_path, man)
-    return status
 
   def restore_or_initialize(self):
     """Restores the newest intact checkpoint, or runs init_fn when there is none.
@@ -444,11 +473,7 @@ class CheckpointManager:
       current = list(self._entries)
     if self._worker != 0:
       return
-    checkpoint_management.update_checkpoint_state_internal(
-        save_dir=self._directory, model_checkpoint_path=prefix,
-        all_model_checkpoint_paths=[e.prefix for e in current],
-        all_model_checkpoint_timestamps=[e.time for e in current],
-        save_relative_paths=True)
+    self._write_state_file(current)
     # Manifests now (a dropped checkpoint is no longer committed when save()
     # returns), data files in the background: deleting 1 GB took 0.24 s here,
     # 15% of a sync save. The next save(), restore() or wait_until_finished()
@@ -461,6 +486,40 @@ class CheckpointManager:
       self._delete_files(dropped)
     else:
       self._writer.submit(lambda: self._delete_files(dropped))
+
+  def _write_state_file(self, entries):
+    """TF's `checkpoint` file, so `tf.train.latest_checkpoint` agrees (chief only)."""
+    if not entries:
+      return
+    checkpoint_management.update_checkpoint_state_internal(
+        save_dir=self._directory, model_checkpoint_path=entries[-1].prefix,
+        all_model_checkpoint_paths=[e.prefix for e in entries],
+        all_model_checkpoint_timestamps=[e.time for e in entries],
+        save_relative_paths=True)
+
+  def _set_aside(self, prefix):
+    """Takes corrupt checkpoint `prefix` out of the committed ones.
+
+    Its manifest becomes `<prefix>.manifest.json.corrupt` (the chief renames
+    it), so a restart does not try it again and training can save past its
+    number; its data files go with the next manager's cleanup.
+
+    Returns:
+      The new manifest path, or None when `prefix` was not a committed one.
+    """
+    with self._lock:
+      if prefix not in [e.prefix for e in self._entries]:
+        return None
+      self._entries = [e for e in self._entries if e.prefix != prefix]
+      current = list(self._entries)
+    path = manifest_lib.manifest_path(prefix)
+    if self._worker == 0:
+      try:
+        tf.io.gfile.rename(path, path + CORRUPT_SUFFIX, overwrite=True)
+        self._write_state_file(current)
+      except tf.errors.OpError as e:
+        logging.warning("tfdp: could not set aside %s: %s", prefix, e)
+    return path + CORRUPT_SUFFIX
 
   def _uncommit(self, prefix):
     try:
