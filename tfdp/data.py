@@ -300,18 +300,24 @@ def replica_dataset(source, *, global_batch_size, seed, start_step=0,
         global_batch_size=global_batch_size, seed=seed, shuffle=shuffle,
         replica=input_context.input_pipeline_id, num_replicas=pipelines)
     batch = source.fetch(indices)
-    parts = [tf.nest.map_structure(
-        lambda t, r=r: t[r * per_replica:(r + 1) * per_replica], batch)
+    if local == 1:
+      return transform(batch, step) if transform else batch
+    if not transform:  # [local * per_replica, ...] -> [local, per_replica, ...]
+      def split(t):
+        if t.shape[1:].is_fully_defined():
+          return tf.reshape(t, [local, per_replica] + t.shape[1:].as_list())
+        return tf.reshape(t, tf.concat([[local, per_replica], tf.shape(t)[1:]], 0))
+      return tf.nest.map_structure(split, batch)
+    parts = [transform(tf.nest.map_structure(
+        lambda t, r=r: t[r * per_replica:(r + 1) * per_replica], batch), step)
              for r in range(local)]
-    if transform:
-      parts = [transform(p, step) for p in parts]
     return tf.nest.map_structure(lambda *xs: tf.stack(xs), *parts)
 
-  return (tf.data.Dataset.counter(dtype=tf.int64)
-          .map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-          .unbatch()
-          .prefetch(tf.data.AUTOTUNE)
-          .with_options(options))
+  ds = tf.data.Dataset.counter(dtype=tf.int64).map(
+      load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  if local > 1:
+    ds = ds.unbatch()
+  return ds.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
 def distribute(strategy, source, *, global_batch_size, seed, start_step=0,
