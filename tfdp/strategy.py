@@ -24,9 +24,9 @@ DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
 
 # Gradient pack size of ring (gRPC) collective all-reduce when none is given.
 # scripts/bench_train.py --parts=allreduce, 2 workers on localhost, 2026-11-29
-# (README, Performance): 4 MB packs were 1.2-1.9x faster than one pack for
-# 64-256 MB of gradients in 3 of 4 runs, equal in the 4th, never slower; one
-# pack concatenates everything and cannot pipeline reduction and transfer.
+# (README, Performance): 4 MB packs were 1.2-1.8x faster than one pack for
+# 64-256 MB of gradients in 3 of 5 runs, equal in the other 2, never slower;
+# one pack concatenates everything and cannot pipeline reduction and transfer.
 # NCCL keeps TF's single pack (0): it is most efficient with large messages,
 # and no GPU measurement says otherwise yet.
 DEFAULT_RING_BYTES_PER_PACK = 4 << 20
