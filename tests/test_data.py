@@ -78,3 +78,21 @@ def test_array_source_and_errors():
     data.per_replica_batch_size(16, 3)
   with pytest.raises(errors.ConfigError, match="fewer than one global batch"):
     data.steps_per_epoch(10, 16)
+
+
+def test_local_replicas_split_features_of_unknown_shape():
+  # A py_function source gives features whose inner shape is unknown until
+  # run time; each local replica must still get its slice of the batch.
+  def fn(indices):
+    x = tf.py_function(lambda i: np.repeat(i.numpy()[:, None], 3, axis=1),
+                       [indices], tf.int64)
+    return x, indices
+
+  src = data.FunctionSource(fn, 64)
+  ctx = tf.distribute.InputContext(1, 0, 2)
+  ds = data.replica_dataset(src, global_batch_size=8, seed=0, input_context=ctx)
+  (x0, i0), (x1, i1) = [(x.numpy(), i.numpy()) for x, i in ds.take(2)]
+  want = data.example_indices(0, num_examples=64, global_batch_size=8, seed=0).numpy()
+  np.testing.assert_array_equal(np.concatenate([i0, i1]), want)
+  np.testing.assert_array_equal(x0, np.repeat(i0[:, None], 3, axis=1))
+  np.testing.assert_array_equal(x1, np.repeat(i1[:, None], 3, axis=1))
