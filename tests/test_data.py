@@ -1,11 +1,16 @@
 """Tests of tfdp.data: order is a function of (seed, step), topology-independent, O(1) to resume."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfdp import data
 from tfdp import errors
+from tests.conftest import REPO
 
 G = 16
 
@@ -96,3 +101,19 @@ def test_local_replicas_split_features_of_unknown_shape():
   np.testing.assert_array_equal(np.concatenate([i0, i1]), want)
   np.testing.assert_array_equal(x0, np.repeat(i0[:, None], 3, axis=1))
   np.testing.assert_array_equal(x1, np.repeat(i1[:, None], 3, axis=1))
+
+
+def test_array_source_made_before_the_strategy():
+  # Making a source must not initialise TensorFlow: cpu_replicas is set after.
+  script = (
+      "import numpy as np, tfdp\n"
+      "src = tfdp.data.ArraySource((np.zeros((64, 3), np.float32), np.arange(64)))\n"
+      "s = tfdp.make_strategy('mirrored', cpu_replicas=2)\n"
+      "x, i = next(iter(tfdp.data.distribute(s, src, global_batch_size=8, seed=0)))\n"
+      "print('OK', s.num_replicas_in_sync, len(s.experimental_local_results(i)))\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        timeout=120, check=False)
+  out = proc.stdout.decode()
+  assert proc.returncode == 0 and "OK 2 2" in out, out[-2000:]

@@ -26,13 +26,6 @@ class ArraySource:
     if len(lengths) != 1:
       raise errors.ConfigError(
           f"ArraySource arrays must all have the same length, got {sorted(lengths)}.")
-    # Host tensors, made once, that the input function captures: an array
-    # turned into a constant inside the function would be serialized into
-    # its graph (1.5 s more to the first batch for 24 MB here, and a 2 GB
-    # limit on the data).
-    with tf.init_scope(), tf.device("/cpu:0"):
-      tensors = tf.nest.map_structure(tf.convert_to_tensor, self.features)
-    object.__setattr__(self, "_tensors", tensors)
 
   @property
   def num_examples(self):
@@ -40,7 +33,23 @@ class ArraySource:
 
   def fetch(self, indices):
     """Examples at `indices` (an int64 vector), batched."""
-    return tf.nest.map_structure(lambda a: tf.gather(a, indices), self._tensors)
+    return tf.nest.map_structure(lambda a: tf.gather(a, indices),
+                                 self._host_tensors())
+
+  def _host_tensors(self):
+    """The arrays as eager host tensors, made once, on first use.
+
+    The input function captures them: an array turned into a constant inside
+    the function would be serialized into its graph (1.5 s more to the first
+    batch for 24 MB here, and a 2 GB limit). Made lazily, so creating the
+    source does not initialise TensorFlow before `make_strategy`.
+    """
+    tensors = self.__dict__.get("_tensors")
+    if tensors is None:
+      with tf.init_scope(), tf.device("/cpu:0"):
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, self.features)
+      object.__setattr__(self, "_tensors", tensors)
+    return tensors
 
 
 @dataclasses.dataclass(frozen=True)

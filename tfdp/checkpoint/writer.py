@@ -238,8 +238,8 @@ class SaveJob:
   def _write_shards(self):
     maybe_crash("before_shard", self.worker)
     tf.io.gfile.makedirs(self.tmp_dir)
-    if len(self.files) == 1:
-      shards = [self._write_file(0, self.files[0])]
+    if len(self.files) <= 1:  # None when this worker got no tensor.
+      shards = [self._write_file(j, f) for j, f in enumerate(self.files)]
     else:
       with futures.ThreadPoolExecutor(
           min(len(self.files), PARALLEL_FILES),
