@@ -154,20 +154,16 @@ class BackupAndRestore(keras.callbacks.Callback):
     # pylint: disable=g-import-not-at-top
     from tfdp import state as state_lib
     # pylint: enable=g-import-not-at-top
-    for prefix in reversed(self.manager.checkpoints):
-      self.state.check_compatible(state_lib.read_run_config(prefix),
-                                  self.allow_config_mismatch)
-      try:
-        with model.distribute_strategy.scope():
-          self.manager.restore(prefix)
-      except errors.CorruptCheckpointError as e:
-        logging.warning("tfdp: skipping corrupt backup: %s", e)
-        continue
-      self.restored_step = self.state.step
-      self._last_saved = self.restored_step
-      logging.info("tfdp: restored %s at step %d.", prefix, self.restored_step)
-      return self.restored_step
-    return None
+    with model.distribute_strategy.scope():
+      prefix = self.manager.restore_newest_intact(
+          before_restore=lambda p: state_lib.check_checkpoint(
+              self.state, p, self.allow_config_mismatch))
+    if prefix is None:
+      return None
+    self.restored_step = self.state.step
+    self._last_saved = self.restored_step
+    logging.info("tfdp: restored %s at step %d.", prefix, self.restored_step)
+    return self.restored_step
 
   def save(self, step=None):
     """Saves a backup at the current global step (every worker must call it)."""

@@ -120,6 +120,22 @@ class TrainState:
     return diffs
 
 
+def check_checkpoint(train_state, path, allow_mismatch=False):
+  """`train_state.check_compatible` against the run config saved at `path`.
+
+  A checkpoint whose run config cannot be read passes: restoring it will
+  say what is wrong with it (and set it aside when it is corrupt).
+
+  Returns:
+    The differences allowed by `allow_mismatch` (see check_compatible).
+  """
+  try:
+    saved = read_run_config(path)
+  except tf.errors.OpError:
+    return []
+  return train_state.check_compatible(saved, allow_mismatch)
+
+
 def read_run_config(path):
   """The run config stored in the checkpoint at `path` ({} if it has none)."""
   reader = tf.train.load_checkpoint(path)

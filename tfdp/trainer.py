@@ -168,25 +168,16 @@ def run(config):
         max_to_keep=config.max_to_keep, async_save=config.async_checkpoint,
         max_shard_bytes=config.max_shard_bytes,
         global_batch_size=config.global_batch_size, strategy=strategy)
-    # The newest intact checkpoint: a corrupt one is set aside by restore()
-    # (and reported), then the next older is tried.
-    for prefix in reversed(manager.checkpoints):
-      try:
-        saved = state_lib.read_run_config(prefix)
-      except tf.errors.OpError:
-        saved = None  # Unreadable: restore() below says why.
-      if saved is not None:
-        diffs = train_state.check_compatible(saved, config.allow_config_mismatch)
-        for d in diffs:
-          logging.warning("Resuming despite a config mismatch: %s", d)
-      try:
-        with strategy.scope():
-          manager.restore(prefix)
-      except errors.CorruptCheckpointError as e:
-        logging.warning("Skipping a corrupt checkpoint: %s", e)
-        continue
-      logging.info("Restored %s at step %d.", prefix, train_state.step)
-      break
+
+    def check(prefix):
+      for d in state_lib.check_checkpoint(train_state, prefix,
+                                          config.allow_config_mismatch):
+        logging.warning("Resuming despite a config mismatch: %s", d)
+
+    with strategy.scope():
+      restored = manager.restore_newest_intact(before_restore=check)
+    if restored:
+      logging.info("Restored %s at step %d.", restored, train_state.step)
 
   start_step = train_state.step
   if start_step > config.train_steps:

@@ -360,8 +360,9 @@ class CheckpointManager:
     if save_path is None:
       raise errors.CheckpointError(
           f"No committed checkpoint in {self._directory} to restore.")
+    man = manifest_lib.read_manifest(save_path)
     try:
-      status = self._restore_verified(save_path)
+      status = self._restore_verified(save_path, man)
     except errors.CorruptCheckpointError as e:
       aside = self._set_aside(save_path)
       if aside is None:
@@ -370,11 +371,10 @@ class CheckpointManager:
           f"{e} It is no longer a committed checkpoint (manifest moved to "
           f"{aside}); the newest intact one is {self.latest_checkpoint}.") from e
     if self._per_worker_ckpt is not None:
-      self._restore_per_worker(save_path, manifest_lib.read_manifest(save_path))
+      self._restore_per_worker(save_path, man)
     return status
 
-  def _restore_verified(self, save_path):
-    man = manifest_lib.read_manifest(save_path)
+  def _restore_verified(self, save_path, man):
     # Sizes up front (missing and truncated files); the bytes themselves are
     # checked by TF's restore, which verifies each tensor's CRC32C as it reads
     # it. Only when that fails are the files checked one by one, to name the
@@ -401,25 +401,37 @@ class CheckpointManager:
           + ("; ".join(problems) + ". " if problems else "")
           + f"TensorFlow could not read it: {e}") from e
 
-  def restore_or_initialize(self):
-    """Restores the newest intact checkpoint, or runs init_fn when there is none.
+  def restore_newest_intact(self, before_restore=None):
+    """Restores the newest intact checkpoint; returns its prefix, or None.
 
-    A corrupt checkpoint is skipped with a warning, falling back to the next
-    older one.
+    A corrupt checkpoint is set aside (see restore()) with a warning, and the
+    next older one is tried.
 
-    Returns:
-      The restored prefix, or None when initialized.
+    Args:
+      before_restore: optional `fn(prefix)` called before each attempt, e.g.
+        to refuse a checkpoint of another run; its exceptions propagate.
     """
     self._writer.wait()
     for prefix in reversed(self.checkpoints):
+      if before_restore is not None:
+        before_restore(prefix)
       try:
         self.restore(prefix)
         return prefix
       except errors.CorruptCheckpointError as e:
-        logging.warning("tfdp: skipping corrupt checkpoint: %s", e)
-    if self._init_fn is not None:
-      self._init_fn()
+        logging.warning("tfdp: Skipping a corrupt checkpoint: %s", e)
     return None
+
+  def restore_or_initialize(self):
+    """Restores the newest intact checkpoint, or runs init_fn when there is none.
+
+    Returns:
+      The restored prefix, or None when initialized.
+    """
+    prefix = self.restore_newest_intact()
+    if prefix is None and self._init_fn is not None:
+      self._init_fn()
+    return prefix
 
   def wait_until_finished(self):
     """Blocks until the background save is committed; re-raises its error."""

@@ -91,20 +91,23 @@ def describe_data_file(path, tensors):
           "tensors": list(tensors)}
 
 
-def _tensor_problems(prefix, path, keys):
-  """Reads `keys` of checkpoint `prefix` (TF checks each one's CRC32C)."""
+def _tensor_problems(prefix, checks):
+  """Reads the tensors of each (path, keys) in `checks` (TF checks each CRC32C)."""
   try:
     reader = tf.train.load_checkpoint(prefix)
   except tf.errors.OpError as e:
-    return [f"{path}: cannot open the checkpoint to check it: {e}"]
-  for key in keys:
-    try:
-      reader.get_tensor(key)
-    except tf.errors.OpError as e:
-      msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-      return [f"{path}: tensor {key!r} does not match its CRC32C (corrupt): "
-              f"{msg}"]
-  return []
+    return [f"{prefix}: cannot open the checkpoint to check it: {e}"]
+  problems = []
+  for path, keys in checks:
+    for key in keys:
+      try:
+        reader.get_tensor(key)
+      except tf.errors.OpError as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        problems.append(f"{path}: tensor {key!r} does not match its CRC32C "
+                        f"(corrupt): {msg}")
+        break
+  return problems
 
 
 def write_json_atomic(path, obj):
@@ -169,9 +172,8 @@ def check_files(prefix, manifest=None, checksums=True):
     elif checksums and "tensors" in entry:
       tensor_checks.append((path, entry["tensors"]))
   # Tensors only once the index and every size are right: the reader needs them.
-  if not problems:
-    for path, keys in tensor_checks:
-      problems += _tensor_problems(prefix, path, keys)
+  if not problems and tensor_checks:
+    problems = _tensor_problems(prefix, tensor_checks)
   return problems
 
 
