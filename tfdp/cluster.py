@@ -1,0 +1,492 @@
+"""Who this process is in the job (index, count, chief, address), and one tiny agreement across workers."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Any, Iterable
+
+from tfdp import errors
+
+CLUSTERS = ("auto", "tf_config", "slurm")
+# Training tasks; an `evaluator` is in the cluster but takes no part in training.
+TASK_TYPES = ("worker", "chief")
+# First port of the SLURM workers on each node (TFDP_PORT overrides it).
+DEFAULT_SLURM_PORT = 8888
+OPS = ("max", "min", "sum")
+
+_FIX = ("build the tfdp.CheckpointManager (or call this) inside "
+        "`strategy.scope()` of a tf.distribute.MultiWorkerMirroredStrategy, or "
+        "pass strategy=<that strategy>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+  """This process's place in the job.
+
+  Attributes:
+    index: 0..count-1. The chief (the TF_CONFIG `chief` task if any, else
+      worker 0) is 0; `worker:i` is i+1 when a chief task exists.
+    count: number of training tasks (chief + workers).
+    address: this task's `host:port`, when known.
+    strategy: the MultiWorkerMirroredStrategy that says so (None for a single
+      worker without one, and when the caller gave index and count).
+    task: (TF task type, task id), when known, e.g. ("worker", 1).
+    peers: the other training tasks, as (task type, task id) pairs.
+  """
+
+  index: int
+  count: int
+  address: str | None = None
+  strategy: Any = None
+  task: tuple[str, int] | None = None
+  peers: tuple[tuple[str, int], ...] = ()
+
+  @property
+  def is_chief(self) -> bool:
+    """True on the one worker that cleans up, commits and prints progress."""
+    return self.index == 0
+
+
+# -- The environment: TF_CONFIG and SLURM ------------------------------------
+
+
+def parse_tf_config(raw: str | None = None) -> dict | None:
+  """Parses and checks a TF_CONFIG string.
+
+  Args:
+    raw: the TF_CONFIG JSON; None reads the environment variable.
+
+  Returns:
+    The parsed dict, or None when TF_CONFIG is unset or empty.
+
+  Raises:
+    ConfigError: the JSON is malformed or inconsistent (unknown task type,
+      index out of range, addresses that are not `host:port`, duplicates).
+  """
+  if raw is None:
+    raw = os.environ.get("TF_CONFIG", "")
+  if not raw.strip():
+    return None
+  fix = ("Set TF_CONFIG to JSON like "
+         '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
+         '"task": {"type": "worker", "index": 0}}, or unset it for one host.')
+  try:
+    config = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise errors.ConfigError(f"TF_CONFIG is not valid JSON ({e}). {fix}") from e
+  if not isinstance(config, dict):
+    raise errors.ConfigError(f"TF_CONFIG must be a JSON object. {fix}")
+  cluster = config.get("cluster")
+  if not isinstance(cluster, dict) or not cluster:
+    raise errors.ConfigError(f"TF_CONFIG has no `cluster` object. {fix}")
+  seen = set()
+  for job, addresses in cluster.items():
+    if job not in TASK_TYPES + ("ps", "evaluator"):
+      raise errors.ConfigError(
+          f"TF_CONFIG cluster has an unknown job {job!r}; tfdp runs "
+          f"data-parallel jobs of `worker` (and optionally one `chief`). {fix}")
+    if job in ("ps",):
+      raise errors.ConfigError(
+          "TF_CONFIG names parameter servers (`ps`); tfdp runs synchronous "
+          "all-reduce data parallelism, which has no parameter servers. "
+          "Remove the `ps` job.")
+    if not isinstance(addresses, list) or not addresses:
+      raise errors.ConfigError(
+          f"TF_CONFIG cluster job {job!r} must be a non-empty list of "
+          f"'host:port' strings. {fix}")
+    for address in addresses:
+      host, _, port = str(address).rpartition(":")
+      if not host or not port.isdigit():
+        raise errors.ConfigError(
+            f"TF_CONFIG address {address!r} of job {job!r} is not 'host:port'.")
+      if address in seen:
+        raise errors.ConfigError(
+            f"TF_CONFIG lists address {address!r} twice; every task needs its "
+            "own port.")
+      seen.add(address)
+  if len(cluster.get("chief", [])) > 1:
+    raise errors.ConfigError("TF_CONFIG may name at most one `chief`.")
+  task = config.get("task")
+  if not isinstance(task, dict):
+    raise errors.ConfigError(f"TF_CONFIG has no `task` object. {fix}")
+  task_type, index = task.get("type"), task.get("index")
+  if task_type not in cluster:
+    raise errors.ConfigError(
+        f"TF_CONFIG task type {task_type!r} is not a job of the cluster "
+        f"({sorted(cluster)}).")
+  if not isinstance(index, int) or isinstance(index, bool):
+    raise errors.ConfigError(
+        f"TF_CONFIG task index must be an integer, got {index!r}.")
+  if not 0 <= index < len(cluster[task_type]):
+    raise errors.ConfigError(
+        f"TF_CONFIG task index {index} is out of range: job {task_type!r} has "
+        f"{len(cluster[task_type])} task(s), so the index must be in "
+        f"[0, {len(cluster[task_type]) - 1}].")
+  return config
+
+
+def tf_config_or_empty() -> dict:
+  """The environment's TF_CONFIG as a dict, unchecked; {} when unset or unreadable.
+
+  For error paths (naming a lost peer), which must not raise themselves.
+  """
+  try:
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+  except ValueError:
+    return {}
+  return config if isinstance(config, dict) else {}
+
+
+def own_task(config: dict | None) -> tuple[str | None, int | None]:
+  """(task type, index) of this process in a TF_CONFIG-like dict."""
+  task = (config or {}).get("task") or {}
+  return task.get("type"), task.get("index")
+
+
+def chief_task(config: dict | None) -> tuple[str, int]:
+  """The chief's (task type, index): the `chief` task if any, else worker 0.
+
+  It is also the leader of TensorFlow's coordination service.
+  """
+  cluster = (config or {}).get("cluster") or {}
+  return ("chief" if cluster.get("chief") else "worker"), 0
+
+
+def num_cluster_workers(config: dict | None) -> int:
+  """Number of training tasks (chief + workers) in a parsed TF_CONFIG."""
+  if not config:
+    return 1
+  cluster = config["cluster"]
+  return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+
+
+def worker_index(task_type: str, task_id: int, cluster: dict) -> int:
+  """tfdp's worker index of a task: the chief is 0, `worker:i` is i+1 when a chief exists."""
+  if task_type == "chief":
+    return 0
+  return int(task_id) + (1 if cluster.get("chief") else 0)
+
+
+def in_slurm_step() -> bool:
+  """Whether this process is a task of a SLURM job step (started by `srun`)."""
+  return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
+
+
+def _gpus():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.config.list_physical_devices("GPU")
+
+
+def slurm_resolver(port_base: int | None = None):
+  """A `SlurmClusterResolver` for this SLURM job step: one worker per task.
+
+  Run one task per node (`srun --ntasks-per-node=1`); the task uses every
+  GPU of its node. Worker i listens on `port_base + (its rank on the node)`.
+
+  Args:
+    port_base: first port on each node (default $TFDP_PORT or 8888).
+
+  Returns:
+    A `tf.distribute.cluster_resolver.SlurmClusterResolver`.
+
+  Raises:
+    ConfigError: not inside a SLURM job step, or SLURM's variables are
+      inconsistent.
+  """
+  if not in_slurm_step():
+    raise errors.ConfigError(
+        "cluster='slurm' needs a SLURM job step (SLURM_PROCID and "
+        "SLURM_STEP_NUM_TASKS are unset): start the workers with `srun`.")
+  if port_base is None:
+    port_base = int(os.environ.get("TFDP_PORT", DEFAULT_SLURM_PORT))
+  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
+  # pylint: enable=g-import-not-at-top
+  try:
+    gpus = len(_gpus())
+    if not gpus:
+      # The resolver hands out GPUs per task and lists one task per GPU; on
+      # CPU hosts give it one placeholder per task (auto_set_gpu is off, so
+      # no CUDA_VISIBLE_DEVICES is set from them).
+      tasks = max(slurm_cluster_resolver.expand_tasks_per_node(
+          os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1")))
+      return tf.distribute.cluster_resolver.SlurmClusterResolver(
+          port_base=port_base, gpus_per_node=tasks, gpus_per_task=1,
+          auto_set_gpu=False)
+    return tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=port_base, gpus_per_node=gpus, auto_set_gpu=False)
+  except (RuntimeError, ValueError) as e:
+    raise errors.ConfigError(f"Cannot resolve the SLURM cluster: {e}") from e
+
+
+def resolve_cluster(cluster: str = "auto") -> tuple[Any, dict | None]:
+  """Finds the cluster this process belongs to.
+
+  Args:
+    cluster: `tf_config` (the TF_CONFIG variable), `slurm` (SLURM's job step
+      variables, through `SlurmClusterResolver`), or `auto`: TF_CONFIG when
+      set, else SLURM when inside a step of 2+ tasks, else no cluster.
+
+  Returns:
+    (resolver, config): `resolver` is a cluster resolver for the strategy,
+    or None to let TF read TF_CONFIG; `config` is a TF_CONFIG-like dict
+    `{"cluster": ..., "task": ...}`, or None for one host.
+
+  Raises:
+    ConfigError: unknown `cluster`, a bad TF_CONFIG, or no SLURM step.
+  """
+  if cluster not in CLUSTERS:
+    raise errors.ConfigError(
+        f"Unknown cluster {cluster!r}; choose one of {', '.join(CLUSTERS)}.")
+  config = parse_tf_config() if cluster in ("auto", "tf_config") else None
+  if cluster == "tf_config" or config is not None:
+    return None, config
+  if cluster == "auto" and (not in_slurm_step() or
+                            int(os.environ["SLURM_STEP_NUM_TASKS"]) < 2):
+    return None, None
+  resolver = slurm_resolver()
+  spec = resolver.cluster_spec().as_dict()
+  task_type, task_id = resolver.get_task_info()
+  return resolver, {"cluster": spec, "task": {"type": task_type, "index": task_id}}
+
+
+def _from_environment() -> Worker:
+  """The worker the environment describes, for a process without a multi-worker strategy."""
+  config = parse_tf_config()
+  if config is not None:
+    count = num_cluster_workers(config)
+    task_type, task_id = own_task(config)
+    if task_type not in TASK_TYPES:
+      raise errors.ConfigError(
+          f"TF_CONFIG says this process is the {task_type!r} task, which is not "
+          "a training worker: pass worker_index= and num_workers= explicitly.")
+    cluster = config["cluster"]
+    index = worker_index(task_type, task_id, cluster)
+    where = "TF_CONFIG"
+    address = cluster[task_type][task_id]
+  elif in_slurm_step():
+    count = int(os.environ["SLURM_STEP_NUM_TASKS"])
+    index = int(os.environ["SLURM_PROCID"])
+    task_type, task_id, address, where = "worker", index, None, "the SLURM job step"
+  else:
+    return Worker(0, 1)
+  if count > 1:
+    raise errors.ConfigError(
+        f"{where} describes {count} workers (this is worker {index}) but no "
+        f"MultiWorkerMirroredStrategy was found: {_FIX}, so that every worker "
+        "knows its place in the job (without it each worker would act as the "
+        "only one, and they would overwrite each other's checkpoints). Or pass "
+        "worker_index= and num_workers= explicitly.")
+  return Worker(0, 1, address, None, (task_type, task_id))
+
+
+# -- Strategies ---------------------------------------------------------------
+
+
+def _mwms_type():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.distribute.MultiWorkerMirroredStrategy
+
+
+def is_multi_worker(strategy: Any) -> bool:
+  """Whether `strategy` is a MultiWorkerMirroredStrategy spanning more than one worker."""
+  return (isinstance(strategy, _mwms_type())
+          and getattr(strategy.extended, "_num_workers", 1) > 1)
+
+
+def _from_strategy(strategy) -> Worker:
+  """The worker a MultiWorkerMirroredStrategy says this process is."""
+  resolver = strategy.cluster_resolver
+  task_type, task_id = resolver.task_type, resolver.task_id
+  count = strategy.extended._num_workers  # pylint: disable=protected-access
+  if count <= 1 or not task_type:
+    return Worker(0, 1, None, strategy)
+  spec = resolver.cluster_spec()
+  cluster = spec.as_dict()
+  try:
+    address = spec.task_address(task_type, task_id)
+  except (ValueError, KeyError):
+    address = None
+  peers = tuple((job, i) for job in TASK_TYPES if job in cluster
+                for i in range(spec.num_tasks(job)) if (job, i) != (task_type, task_id))
+  return Worker(worker_index(task_type, task_id, cluster), int(count), address,
+                strategy, (task_type, int(task_id)), peers)
+
+
+def _unwrap(obj):
+  """A keras.Variable's backing tf.Variable; anything else as is."""
+  import keras  # pylint: disable=g-import-not-at-top
+  if isinstance(obj, keras.Variable):
+    inner = getattr(obj, "_value", None)
+    return obj.value if inner is None else inner
+  return obj
+
+
+def strategy_of(objects: Any) -> Any:
+  """The MultiWorkerMirroredStrategy that owns distributed variables reachable from `objects`.
+
+  Args:
+    objects: a `tf.train.Checkpoint`, a Keras model or layer, a variable, or
+      an iterable or dict of these. Trackables are walked through their
+      checkpoint dependencies; `keras.Variable`s are unwrapped.
+
+  Returns:
+    The strategy of the first distributed variable found if it is a
+    MultiWorkerMirroredStrategy, else None.
+  """
+  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  from tensorflow.python.checkpoint import trackable_view
+  from tensorflow.python.trackable import base
+  from tensorflow.python.util import object_identity
+  # pylint: enable=g-import-not-at-top
+  mwms = tf.distribute.MultiWorkerMirroredStrategy
+  seen = object_identity.ObjectIdentitySet()
+  queue = collections.deque([objects])
+  while queue:
+    obj = _unwrap(queue.popleft())
+    if obj is None or obj in seen:
+      continue
+    seen.add(obj)
+    if isinstance(obj, tf.distribute.DistributedValues):
+      strategy = getattr(obj, "_distribute_strategy", None)
+      return strategy if isinstance(strategy, mwms) else None
+    if isinstance(obj, tf.Variable):
+      # A plain variable (e.g. a step counter made outside the scope) says
+      # nothing; look on.
+      continue
+    if isinstance(obj, dict):
+      queue.extend(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+      queue.extend(obj)
+    elif isinstance(obj, base.Trackable):
+      try:
+        queue.extend(trackable_view.TrackableView.children(obj).values())
+      except Exception:  # pylint: disable=broad-except
+        # Some trackables cannot list their children outside a save (e.g.
+        # ones that build them lazily); they own no variable we could use.
+        continue
+    elif isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+      queue.extend(obj)
+  return None
+
+
+def resolve(strategy: Any = None, *, objects: Any = None,
+            worker_index: int | None = None,  # pylint: disable=redefined-outer-name
+            num_workers: int | None = None) -> Worker:
+  """Which worker of the job this process is.
+
+  In this order: explicit `worker_index` and `num_workers`; the strategy
+  passed; the strategy in scope; the MultiWorkerMirroredStrategy that owns
+  the distributed variables of `objects`; TF_CONFIG or SLURM. The first
+  MultiWorkerMirroredStrategy found decides.
+
+  Args:
+    strategy: a `tf.distribute.Strategy`, or None.
+    objects: what to look for distributed variables in (see `strategy_of`),
+      e.g. the `tf.train.Checkpoint` a checkpoint manager saves.
+    worker_index: this worker's index, with `num_workers`.
+    num_workers: number of workers, with `worker_index`.
+
+  Returns:
+    A `Worker`.
+
+  Raises:
+    ConfigError: only one of worker_index and num_workers, an index out of
+      range, a bad TF_CONFIG, or an environment (TF_CONFIG or SLURM) that
+      names more than one worker while no MultiWorkerMirroredStrategy was
+      found (it says what to pass).
+  """
+  if (worker_index is None) != (num_workers is None):
+    raise errors.ConfigError(
+        "Pass both worker_index and num_workers, or neither (then the "
+        "MultiWorkerMirroredStrategy in scope decides).")
+  if worker_index is not None:
+    if not 0 <= worker_index < num_workers:
+      raise errors.ConfigError(
+          f"worker_index={worker_index} must be in [0, num_workers="
+          f"{num_workers}).")
+    return Worker(int(worker_index), int(num_workers))
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  mwms = tf.distribute.MultiWorkerMirroredStrategy
+  in_scope = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+  found = next((s for s in (strategy, in_scope) if isinstance(s, mwms)), None)
+  if found is None and objects is not None:
+    found = strategy_of(objects)
+  if found is None:
+    return _from_environment()
+  worker = _from_strategy(found)
+  if worker.count == 1:
+    environment = _count_in_environment()
+    if environment > 1:
+      raise errors.ConfigError(
+          f"The environment (TF_CONFIG or SLURM) describes {environment} "
+          "workers but the MultiWorkerMirroredStrategy found spans one: build "
+          "it after TF_CONFIG is set (tfdp.make_strategy reads TF_CONFIG and "
+          "SLURM), or pass worker_index= and num_workers= explicitly.")
+  return worker
+
+
+def _count_in_environment() -> int:
+  config = parse_tf_config()
+  if config is not None:
+    return num_cluster_workers(config)
+  if in_slurm_step():
+    return int(os.environ["SLURM_STEP_NUM_TASKS"])
+  return 1
+
+
+def peers(strategy: Any) -> tuple[tuple[str, int], ...]:
+  """The other training tasks of a multi-worker `strategy`; () for anything else."""
+  if not is_multi_worker(strategy):
+    return ()
+  return _from_strategy(strategy).peers
+
+
+# -- Agreement ----------------------------------------------------------------
+
+
+def agree(value: float, op: str = "max", strategy: Any = None) -> float:
+  """One tiny all-reduce: the `op` of every worker's `value`, the same on every worker.
+
+  Each worker contributes `value` once (its replica 0; its other replicas
+  contribute the identity of `op`). Every worker must call it at the same
+  point of the program, as any collective. Values are exchanged as float64,
+  so integers up to 2**53 come back exact.
+
+  Args:
+    value: this worker's number.
+    op: `max`, `min` or `sum`.
+    strategy: the multi-worker strategy; None: the one in scope.
+
+  Returns:
+    The agreed number; `value` itself when there is no multi-worker strategy.
+
+  Raises:
+    ConfigError: an unknown `op`.
+  """
+  if op not in OPS:
+    raise errors.ConfigError(f"Unknown op {op!r}; choose one of {', '.join(OPS)}.")
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if strategy is None:
+    strategy = tf.distribute.get_strategy()
+  if not is_multi_worker(strategy):
+    return float(value)
+  identity = {"max": -float("inf"), "min": float("inf"), "sum": 0.0}[op]
+  first = float(value)
+
+  def value_fn(ctx):
+    own = first if ctx.replica_id_in_sync_group % _local_replicas(strategy) == 0 else identity
+    return tf.constant([own], tf.float64)
+
+  values = strategy.experimental_distribute_values_from_function(value_fn)
+  gathered = strategy.gather(values, axis=0).numpy()
+  return float({"max": gathered.max, "min": gathered.min, "sum": gathered.sum}[op]())
+
+
+def _local_replicas(strategy) -> int:
+  return len(strategy.extended.worker_devices)
