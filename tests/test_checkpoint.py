@@ -19,7 +19,8 @@ from tfdp import launch
 from tfdp.checkpoint import CheckpointManager
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import retention
-from tfdp.checkpoint import writer as writer_lib
+from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import planner
 from tfdp.cli import ckpt as ckpt_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,8 +61,9 @@ def runs(tmp_path_factory):
   # A 1-worker checkpoint, written here, for the 1 -> 2 restore.
   c_values = ckpt_worker.values(7)
   model = ckpt_worker.make_state(c_values)
-  CheckpointManager(tf.train.Checkpoint(model=model),
-                    os.path.join(root, "c")).save()
+  with CheckpointManager(tf.train.Checkpoint(model=model),
+                         os.path.join(root, "c")) as m:
+    m.save()  # Released on exit: the job below reads this directory.
   np.savez(os.path.join(root, "c_values.npz"), **c_values)
 
   # 2 workers under MWMS: restore the 1-worker checkpoint, then save.
@@ -119,9 +121,9 @@ def test_sharded_save_writes_1x_state_and_every_worker_writes(runs, run, n):
   assert runs[f"{run}_code"] == 0, _log(runs, f"{run}.log")
   prefix = os.path.join(runs["root"], run, "ckpt-1")
   man = manifest_lib.read_manifest(prefix)
-  assert man["world_size"] == n and man["global_batch_size"] == 32
+  assert man.world_size == n and man.global_batch_size == 32
   state = ckpt_worker.state_bytes()
-  written = [man["writers"][str(i)]["bytes_written"] for i in range(n)]
+  written = [man.writers[str(i)]["bytes_written"] for i in range(n)]
   assert all(w > 0 for w in written), written
   assert sum(written) <= 1.1 * state, (written, state)
   # Nothing else on disk: no per-worker throw-away copies, no temp dirs left.
@@ -130,8 +132,8 @@ def test_sharded_save_writes_1x_state_and_every_worker_writes(runs, run, n):
   assert on_disk <= 1.1 * state
   if run == "b":  # max_shard_bytes=1MB splits each worker's part; a bigger
     # single tensor (w0, w1: 1048576 bytes) gets a file of its own.
-    assert man["num_shards"] > n
-    assert all(f["size"] <= 1_048_576 for f in man["files"])
+    assert man.num_shards > n
+    assert all(f.size <= 1_048_576 for f in man.files)
 
 
 @pytest.mark.parametrize("run", ["a", "b"])
@@ -173,7 +175,7 @@ def test_async_save_returns_early_and_snapshots(runs):
   man = manifest_lib.read_manifest(prefix)
   for r in runs["res_a"]:
     assert r["async_latest"] == prefix
-    assert r["async_returned"] < man["time"]
+    assert r["async_returned"] < man.time
   assert any(r["async_running_after_return"] for r in runs["res_a"])
   model = ckpt_worker.make_state(None)
   tf.train.Checkpoint(model=model).restore(prefix).assert_existing_objects_matched()
@@ -200,7 +202,7 @@ def test_sigkill_at_each_phase_leaves_intact_latest(runs, phase, worker):
   assert mgr.latest_checkpoint == os.path.join(d, want)
   code, out = _cli("verify", mgr.latest_checkpoint)
   assert code == 0, out
-  assert not os.listdir(os.path.join(d, writer_lib.TMP_DIRNAME))
+  assert not os.listdir(os.path.join(d, layout_lib.TMP_DIRNAME))
   committed = {f.split(".")[0] for f in os.listdir(d) if f.startswith("ckpt-")}
   assert committed == {"ckpt-1", want}
   mgr.restore_or_initialize()
@@ -264,19 +266,19 @@ def test_restore_or_initialize_falls_back_to_newest_intact(tmp_path):
 def test_a_worker_writes_big_state_as_parallel_files(tmp_path, monkeypatch):
   # Each file must hold >= PARALLEL_MIN_FILE_BYTES; lowered so 12 small
   # variables make 3 files, written at once by 3 threads.
-  monkeypatch.setattr(writer_lib, "PARALLEL_MIN_FILE_BYTES", 1000)
-  monkeypatch.setattr(writer_lib, "PARALLEL_FILES", 3)
+  monkeypatch.setattr(planner, "PARALLEL_MIN_FILE_BYTES", 1000)
+  monkeypatch.setattr(planner, "PARALLEL_FILES", 3)
   rng = np.random.default_rng(0)
   vals = [rng.standard_normal(250 + 50 * i).astype(np.float32) for i in range(12)]
   vs = [tf.Variable(v) for v in vals]
   mgr = CheckpointManager(tf.train.Checkpoint(vs=vs), str(tmp_path))
   prefix = mgr.save()
   man = manifest_lib.read_manifest(prefix)
-  data = [f for f in man["files"] if ".data-" in f["name"]]
-  assert len(data) == 3 and man["num_shards"] == 3
-  sizes = [f["size"] for f in data]
+  data = [f for f in man.files if ".data-" in f.name]
+  assert len(data) == 3 and man.num_shards == 3
+  sizes = [f.size for f in data]
   assert max(sizes) < 1.3 * min(sizes), sizes  # balanced by bytes
-  keys = [k for f in data for k in f["tensors"]]
+  keys = [k for f in data for k in f.tensors]
   assert len(keys) == len(set(keys)) == 14  # 12 variables, save_counter, object graph
   code, out = _cli("verify", prefix)
   assert code == 0, out
@@ -292,7 +294,7 @@ def test_async_error_surfaces_in_training_thread(tmp_path):
   mgr = CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path),
                           async_save=True)
   # A file where the temp dir must go makes the background write fail.
-  (tmp_path / writer_lib.TMP_DIRNAME).write_text("in the way")
+  (tmp_path / layout_lib.TMP_DIRNAME).write_text("in the way")
   mgr.save()
   with pytest.raises(Exception):
     mgr.wait_until_finished()
@@ -303,14 +305,20 @@ def test_async_error_surfaces_in_training_thread(tmp_path):
 def test_retention_keep_last_hours_best(tmp_path):
   e = [retention.Entry(f"c{i}", i, 1800.0 * i, {"loss": l})
        for i, l in enumerate([5.0, 1.0, 4.0, 3.0, 2.0, 6.0])]
-  assert retention.keep_last(e, 2) == {"c4", "c5"}
+  assert retention.KeepLatest(2).keeps(e) == {"c4", "c5"}
   # Fewer checkpoints than max_to_keep: all stay.
-  assert retention.keep_last(e[:3], 5) == {"c0", "c1", "c2"}
-  assert retention.keep_every_n_hours(e, 1.0) == {"c0", "c2", "c4"}
-  assert retention.keep_best(e, ("loss", "min", 2)) == {"c1", "c4"}
-  assert retention.keep_best(e, ("loss", "max", 1)) == {"c5"}
-  assert retention.to_keep(e, max_to_keep=1, best=("loss", "min", 1)) == {
-      "c1", "c5"}
+  assert retention.KeepLatest(5).keeps(e[:3]) == {"c0", "c1", "c2"}
+  # Hours (TF's rule): of what max_to_keep lets go, one per hour counted
+  # from the last preserved time; the first is not kept forever.
+  hours = retention.sweep(e, retention.KeepLatest(1), retention.KeepEveryNHours(1.0), -1.0)
+  assert [x.prefix for x in hours.preserved] == ["c2", "c4"]
+  assert [x.prefix for x in hours.deleted] == ["c0", "c1", "c3"]
+  assert hours.last_preserved == e[4].time
+  assert retention.KeepBest("loss", "min", 2).keeps(e) == {"c1", "c4"}
+  assert retention.KeepBest("loss", "max", 1).keeps(e) == {"c5"}
+  both = retention.AnyOf((retention.KeepLatest(1), retention.parse_keep_best(("loss", "min", 1))))
+  kept = retention.sweep(e, both, retention.KeepEveryNHours(None), 0.0).kept
+  assert {x.prefix for x in kept} == {"c1", "c5"}
   with pytest.raises(errors.ConfigError):
     retention.parse_keep_best(("loss", "median", 1))
   # Through the manager: best-by-metric survives max_to_keep; files deleted.
@@ -321,10 +329,9 @@ def test_retention_keep_last_hours_best(tmp_path):
     mgr.save(metrics={"loss": loss})
   names = [os.path.basename(p) for p in mgr.checkpoints]
   assert names == ["ckpt-2", "ckpt-4", "ckpt-5"]
-  # Dropped checkpoints lose their manifest at once, their files in the background.
+  # Dropped checkpoints are gone when a synchronous save returns (as TF's).
   assert sorted(f[:-len(".manifest.json")] for f in os.listdir(tmp_path)
                 if f.endswith(".manifest.json")) == names
-  mgr.wait_until_finished()
   assert sorted({f.split(".")[0] for f in os.listdir(tmp_path)
                  if f.startswith("ckpt-")}) == names
   with pytest.raises(errors.CheckpointError, match="already exists"):

@@ -123,15 +123,17 @@ class TrainState:
 def check_checkpoint(train_state, path, allow_mismatch=False):
   """`train_state.check_compatible` against the run config saved at `path`.
 
-  A checkpoint whose run config cannot be read passes: restoring it will
-  say what is wrong with it (and set it aside when it is corrupt).
+  A checkpoint whose run config cannot be read (a missing or short file
+  raises IndexError or an OpError in TF's reader, bad JSON a ValueError)
+  passes: restoring it will say what is wrong with it (and set it aside when
+  it is corrupt). Callers check file sizes first (restore_newest_intact).
 
   Returns:
     The differences allowed by `allow_mismatch` (see check_compatible).
   """
   try:
     saved = read_run_config(path)
-  except tf.errors.OpError:
+  except (tf.errors.OpError, IndexError, ValueError):
     return []
   return train_state.check_compatible(saved, allow_mismatch)
 

@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -12,6 +13,11 @@ import tensorflow as tf
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tfdp import errors  # pylint: disable=g-import-not-at-top
 from tfdp.checkpoint import CheckpointManager  # pylint: disable=g-import-not-at-top
+from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+
+# "phase:worker[,phase:worker...]" makes that worker SIGKILL itself when its
+# save reaches that phase (faults.PHASES), once install_crash_hook() ran.
+CRASH_ENV = "TFDP_CKPT_TEST_CRASH_AT"
 
 # name -> (shape, dtype); about 3 MB in all.
 SPECS = {
@@ -23,6 +29,21 @@ SPECS = {
     "ids": ((50,), "int64"),
     "step": ((), "int64"),
 }
+
+
+def _crash_hook(phase, worker):
+  spec = os.environ.get(CRASH_ENV, "")
+  for item in filter(None, spec.split(",")):
+    want, _, who = item.partition(":")
+    if want == phase and (who == "" or int(who) == worker):
+      print(f"tfdp test: {CRASH_ENV}={spec}: killing worker {worker} at {phase}.",
+            flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_crash_hook():
+  """Makes saves in this process honour CRASH_ENV (read at each phase)."""
+  faults.install(_crash_hook)
 
 
 def values(seed):
@@ -124,7 +145,7 @@ def main_crash(a):
                           commit_timeout=a.timeout)
   mgr.save()
   assign(model, values(a.seed + 1))
-  os.environ["TFDP_CKPT_TEST_CRASH_AT"] = a.crash_at
+  os.environ[CRASH_ENV] = a.crash_at
   try:
     mgr.save()
   except errors.CheckpointError as e:
@@ -167,4 +188,5 @@ if __name__ == "__main__":
   p.add_argument("--crash_at", default="")
   p.add_argument("--timeout", type=float, default=20)
   args = p.parse_args()
+  install_crash_hook()
   {"mwms": main_mwms, "crash": main_crash, "mirrored": main_mirrored}[args.mode](args)

@@ -1,12 +1,14 @@
-"""Checkpoint manifests: file sizes and checksums, atomic JSON writes, verification.
+"""The typed checkpoint manifest (the commit record), its JSON form, and verification against it.
 
 Integrity of the bytes: the `.index` file has a CRC-32 in the manifest; each
 data file lists its tensors, whose CRC32C TensorFlow's BundleWriter stores in
 the index as it writes them and its reader checks on every read (restore
 included). A data file is therefore never read back to checksum it at save
-time. Version-1 manifests (CRC-32 of every file) are still verified.
+time. Version-1 manifests (CRC-32 of every file) and version-2 ones are still
+read and verified.
 """
 
+import dataclasses
 import json
 import os
 import zlib
@@ -14,54 +16,106 @@ import zlib
 import tensorflow as tf
 
 from tfdp import errors
+from tfdp.checkpoint import fs
+from tfdp.checkpoint import layout
 
 # Format of the manifest; bump on incompatible changes.
-MANIFEST_VERSION = 2
-MANIFEST_SUFFIX = ".manifest.json"
-# zlib's CRC-32 runs at ~1.5 GB/s on one core here (sha256: ~0.57 GB/s), so a
-# checksum costs less than the disk write it protects; it detects flipped bytes
-# and truncation, which is what a manifest is for (not tampering).
+MANIFEST_VERSION = 3
+FORMAT = "tfdp-checkpoint"
+# A checksum that detects flipped bytes and truncation, which is what a
+# manifest is for (not tampering), and costs less than the write it protects.
 CHECKSUM = "crc32"
 _READ_CHUNK = 16 << 20
 
 
-def is_local(path):
-  """True for paths of the local file system (fsync applies)."""
-  return "://" not in path or path.startswith("file://")
+@dataclasses.dataclass
+class FileRecord:
+  """One file of a committed checkpoint."""
+  name: str
+  size: int
+  crc32: str | None = None  # The index (and every file of a v1 manifest).
+  tensors: list[str] | None = None  # A data file: keys whose CRC32C TF keeps.
+
+  def to_dict(self) -> dict:
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-def _local(path):
-  return path[len("file://"):] if path.startswith("file://") else path
+@dataclasses.dataclass
+class SaveMeta:
+  """What the manager knows of a save before it is written."""
+  checkpoint_number: int
+  step: int
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  global_batch_size: int | None = None
+  per_worker_keys: list[str] = dataclasses.field(default_factory=list)
+  versions: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def fsync_file(path):
-  """Flushes `path` to stable storage (no-op for object stores: close is durable)."""
-  if not is_local(path):
-    return
-  fd = os.open(_local(path), os.O_RDONLY)
+@dataclasses.dataclass
+class Manifest(SaveMeta):
+  """The commit record of one checkpoint: a checkpoint exists once its manifest does."""
+  prefix: str = ""  # Basename, e.g. "ckpt-7".
+  time: float = 0.0
+  files: list[FileRecord] = dataclasses.field(default_factory=list)
+  num_shards: int = 0
+  total_bytes: int = 0
+  state_bytes: int = 0
+  world_size: int = 1
+  session: str = ""
+  writers: dict[str, dict] = dataclasses.field(default_factory=dict)
+  # Basenames the manager keeps after this save (decided before it started),
+  # so every worker lists the same checkpoints.
+  kept: list[str] = dataclasses.field(default_factory=list)
+  manifest_version: int = MANIFEST_VERSION
+
+  def to_json(self) -> str:
+    d = dataclasses.asdict(self)
+    d["files"] = [f.to_dict() for f in self.files]
+    d["format"] = FORMAT
+    return json.dumps(d, indent=1, sort_keys=True)
+
+  @classmethod
+  def from_json(cls, text: str) -> "Manifest":
+    """Parses a manifest of any version up to MANIFEST_VERSION.
+
+    Raises:
+      ValueError: `text` is not a tfdp manifest (incomplete JSON included).
+      CheckpointError: it was written by a newer tfdp.
+    """
+    d = json.loads(text)
+    if not isinstance(d, dict) or "files" not in d or "prefix" not in d:
+      raise ValueError("not a tfdp manifest")
+    version = int(d.get("manifest_version", 1))
+    if version > MANIFEST_VERSION:
+      raise errors.CheckpointError(
+          f"Manifest version {version} was written by a newer tfdp (this one "
+          f"reads up to {MANIFEST_VERSION}); upgrade tfdp.")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in d.items() if k in fields}
+    kwargs["files"] = [FileRecord(**{k: v for k, v in f.items()
+                                     if k in ("name", "size", "crc32", "tensors")})
+                       for f in d["files"]]
+    kwargs.setdefault("checkpoint_number", layout.number_of(d["prefix"]))
+    kwargs.setdefault("step", kwargs["checkpoint_number"])
+    kwargs["metrics"] = kwargs.get("metrics") or {}
+    return cls(**kwargs)
+
+
+def read_manifest(prefix: str) -> Manifest | None:
+  """The manifest of checkpoint `prefix`, or None when it has none (or a torn one)."""
   try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+    with tf.io.gfile.GFile(layout.manifest_path(prefix), "r") as f:
+      return Manifest.from_json(f.read())
+  except (tf.errors.NotFoundError, ValueError, TypeError, KeyError):
+    return None
 
 
-def fsync_dir(path):
-  """Makes renames and creations inside directory `path` durable."""
-  if not is_local(path):
-    return
-  try:
-    fd = os.open(_local(path), os.O_RDONLY | os.O_DIRECTORY)
-  except OSError:
-    return
-  try:
-    os.fsync(fd)
-  except OSError:
-    pass
-  finally:
-    os.close(fd)
+def write_manifest(prefix: str, manifest: Manifest) -> None:
+  """Writes the manifest atomically: the commit point of checkpoint `prefix`."""
+  fs.write_atomic(layout.manifest_path(prefix), manifest.to_json())
 
 
-def file_checksum(path):
+def file_checksum(path: str) -> tuple[int, str]:
   """Returns (size, crc32 as 8 hex digits) of the file at `path`."""
   crc = 0
   size = 0
@@ -75,20 +129,15 @@ def file_checksum(path):
   return size, f"{crc & 0xFFFFFFFF:08x}"
 
 
-def describe_file(path):
-  """Returns the manifest entry {name, size, crc32} of the file at `path`."""
+def describe_file(path: str) -> FileRecord:
+  """The record of a file checked by its own CRC-32 (the index)."""
   size, crc = file_checksum(path)
-  return {"name": os.path.basename(path), "size": size, CHECKSUM: crc}
+  return FileRecord(os.path.basename(path), size, crc32=crc)
 
 
-def describe_data_file(path, tensors):
-  """Returns the manifest entry {name, size, tensors} of a data file.
-
-  Its bytes are covered by the per-tensor CRC32C that TensorFlow keeps in
-  the index, so the file is not read back.
-  """
-  return {"name": os.path.basename(path), "size": tf.io.gfile.stat(path).length,
-          "tensors": list(tensors)}
+def describe_data_file(path: str, tensors: list[str]) -> FileRecord:
+  """The record of a data file: its bytes are covered by TF's per-tensor CRC32C."""
+  return FileRecord(os.path.basename(path), fs.size(path), tensors=list(tensors))
 
 
 def _tensor_problems(prefix, checks):
@@ -110,35 +159,8 @@ def _tensor_problems(prefix, checks):
   return problems
 
 
-def write_json_atomic(path, obj):
-  """Writes `obj` as JSON to `path` so readers see all of it or nothing."""
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with tf.io.gfile.GFile(tmp, "w") as f:
-    f.write(json.dumps(obj, indent=1, sort_keys=True))
-  fsync_file(tmp)
-  tf.io.gfile.rename(tmp, path, overwrite=True)
-  fsync_dir(os.path.dirname(path))
-
-
-def read_json(path):
-  """Reads a JSON file; None if it does not exist or is not complete JSON."""
-  try:
-    with tf.io.gfile.GFile(path, "r") as f:
-      return json.loads(f.read())
-  except (tf.errors.NotFoundError, ValueError):
-    return None
-
-
-def manifest_path(prefix):
-  return prefix + MANIFEST_SUFFIX
-
-
-def read_manifest(prefix):
-  """Returns the manifest dict of checkpoint `prefix`, or None when uncommitted."""
-  return read_json(manifest_path(prefix))
-
-
-def check_files(prefix, manifest=None, checksums=True):
+def check_files(prefix: str, manifest: Manifest | None = None,
+                checksums: bool = True) -> list[str]:
   """Returns a list of problems ("FILE: what is wrong") of checkpoint `prefix`.
 
   Args:
@@ -149,35 +171,36 @@ def check_files(prefix, manifest=None, checksums=True):
   if manifest is None:
     manifest = read_manifest(prefix)
   if manifest is None:
-    return [f"{manifest_path(prefix)}: no manifest (checkpoint not committed "
-            "by tfdp, or its save did not finish)"]
+    return [f"{layout.manifest_path(prefix)}: no manifest (checkpoint not "
+            "committed by tfdp, or its save did not finish)"]
   directory = os.path.dirname(prefix)
   problems = []
   tensor_checks = []
-  for entry in manifest["files"]:
-    path = os.path.join(directory, entry["name"])
-    if not tf.io.gfile.exists(path):
+  for entry in manifest.files:
+    path = os.path.join(directory, entry.name)
+    if not fs.exists(path):
       problems.append(f"{path}: missing")
       continue
-    size = tf.io.gfile.stat(path).length
-    if size != entry["size"]:
+    size = fs.size(path)
+    if size != entry.size:
       problems.append(f"{path}: size {size} bytes, manifest says "
-                      f"{entry['size']} (truncated or overwritten)")
+                      f"{entry.size} (truncated or overwritten)")
       continue
-    if checksums and CHECKSUM in entry:
+    if checksums and entry.crc32 is not None:
       _, crc = file_checksum(path)
-      if crc != entry[CHECKSUM]:
+      if crc != entry.crc32:
         problems.append(f"{path}: {CHECKSUM} {crc}, manifest says "
-                        f"{entry[CHECKSUM]} (corrupt)")
-    elif checksums and "tensors" in entry:
-      tensor_checks.append((path, entry["tensors"]))
+                        f"{entry.crc32} (corrupt)")
+    elif checksums and entry.tensors is not None:
+      tensor_checks.append((path, entry.tensors))
   # Tensors only once the index and every size are right: the reader needs them.
   if not problems and tensor_checks:
     problems = _tensor_problems(prefix, tensor_checks)
   return problems
 
 
-def verify(prefix, manifest=None, checksums=True):
+def verify(prefix: str, manifest: Manifest | None = None,
+           checksums: bool = True) -> None:
   """Checks every file of checkpoint `prefix` against its manifest.
 
   Args:

@@ -1,83 +1,134 @@
-"""Retention policies: pure functions from committed checkpoints to the ones to keep."""
+"""Which checkpoints to keep: small pure policies (no I/O) and the sweep that applies them."""
 
 import collections
+import dataclasses
+from typing import Protocol, Sequence
 
 from tfdp import errors
 
 # What a policy sees of one committed checkpoint.
 Entry = collections.namedtuple("Entry", ["prefix", "number", "time", "metrics"])
 
-# keep_best=KeepBest("val_loss", "min", 3): keep the 3 checkpoints with the
-# lowest `val_loss` passed to save(metrics=...). A plain tuple works too.
-KeepBest = collections.namedtuple("KeepBest", ["metric", "mode", "k"])
+
+class KeepPolicy(Protocol):
+  def keeps(self, entries: Sequence[Entry]) -> set[str]:
+    """Prefixes of `entries` this policy keeps in the managed set."""
 
 
-def keep_last(entries, n):
-  """The newest `n` entries (all when n is None)."""
-  entries = sorted(entries, key=lambda e: e.number)
-  if n is None:
-    return {e.prefix for e in entries}
-  return {e.prefix for e in entries[max(0, len(entries) - n):]} if n > 0 else set()
+@dataclasses.dataclass(frozen=True)
+class KeepLatest:
+  """The newest `n` (all when n is None), as `max_to_keep`."""
+  n: int | None
+
+  def __post_init__(self):
+    if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int)
+                               or self.n < 1):
+      raise errors.ConfigError(
+          f"max_to_keep={self.n!r}: pass an int >= 1 or None (keep all).")
+
+  def keeps(self, entries: Sequence[Entry]) -> set[str]:
+    entries = sorted(entries, key=lambda e: e.number)
+    if self.n is None:
+      return {e.prefix for e in entries}
+    return {e.prefix for e in entries[max(0, len(entries) - self.n):]}
 
 
-def keep_every_n_hours(entries, hours):
-  """One entry per `hours`: the first, then each at least `hours` after the last kept.
+@dataclasses.dataclass(frozen=True)
+class KeepBest:
+  """The `k` with the best `metric` passed to save(metrics=...): mode "min" or "max".
 
-  Stable under deletion of entries it does not keep, so it can be recomputed
-  from whatever survives.
+  E.g. `KeepBest("val_loss", "min", 3)`; a plain tuple works too.
   """
-  if hours is None:
-    return set()
-  kept, last = set(), None
-  for e in sorted(entries, key=lambda e: (e.time, e.number)):
-    if last is None or e.time - last >= hours * 3600.0:
-      kept.add(e.prefix)
-      last = e.time
-  return kept
+  metric: str
+  mode: str
+  k: int
+
+  def __post_init__(self):
+    if self.mode not in ("min", "max") or not isinstance(self.k, int) or self.k < 1:
+      raise errors.ConfigError(
+          f"keep_best={tuple(self)!r}: mode must be 'min' or 'max' and k an int >= 1.")
+
+  def __iter__(self):
+    return iter((self.metric, self.mode, self.k))
+
+  def keeps(self, entries: Sequence[Entry]) -> set[str]:
+    scored = [e for e in entries if e.metrics and self.metric in e.metrics]
+    sign = 1.0 if self.mode == "min" else -1.0
+    scored.sort(key=lambda e: (sign * e.metrics[self.metric], -e.number))
+    return {e.prefix for e in scored[:self.k]}
 
 
-def keep_best(entries, best):
-  """The `k` entries with the best value of `metric` (`mode` "min" or "max")."""
-  if best is None:
-    return set()
-  metric, mode, k = parse_keep_best(best)
-  scored = [e for e in entries if e.metrics and metric in e.metrics]
-  scored.sort(key=lambda e: (e.metrics[metric] if mode == "min"
-                             else -e.metrics[metric], -e.number))
-  return {e.prefix for e in scored[:k]}
-
-
-def parse_keep_best(best):
-  """Validates `keep_best` and returns it as a KeepBest."""
+def parse_keep_best(best) -> KeepBest:
+  """Validates `keep_best` ((metric, mode, k) or a KeepBest) and returns it as a KeepBest."""
   try:
     metric, mode, k = best
   except (TypeError, ValueError):
     raise errors.ConfigError(
         f"keep_best={best!r}: pass (metric, 'min'|'max', k), e.g. "
         "('val_loss', 'min', 3).") from None
-  if mode not in ("min", "max") or not isinstance(k, int) or k < 1:
-    raise errors.ConfigError(
-        f"keep_best={best!r}: mode must be 'min' or 'max' and k an int >= 1.")
   return KeepBest(str(metric), mode, k)
 
 
-def to_keep(entries, *, max_to_keep, keep_every_n_hours_=None, best=None):
-  """Union of the policies; the newest entry is always kept.
+@dataclasses.dataclass(frozen=True)
+class AnyOf:
+  """Keeps what any of `policies` keeps."""
+  policies: Sequence[KeepPolicy]
+
+  def keeps(self, entries: Sequence[Entry]) -> set[str]:
+    kept = set()
+    for p in self.policies:
+      kept |= p.keeps(entries)
+    return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEveryNHours:
+  """`keep_checkpoint_every_n_hours`: a checkpoint leaving the managed set is
+  preserved (never deleted, no longer listed) when it is at least `hours`
+  newer than the last one preserved, as in tf.train.CheckpointManager."""
+  hours: float | None
+
+  def preserves(self, entry: Entry, last_preserved: float) -> bool:
+    return (self.hours is not None and
+            entry.time - self.hours * 3600.0 >= last_preserved)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """The outcome of a retention decision."""
+  kept: tuple[Entry, ...]  # Still managed (listed in `checkpoints`), oldest first.
+  preserved: tuple[Entry, ...]  # Kept on disk, no longer managed.
+  deleted: tuple[Entry, ...]
+  last_preserved: float
+
+
+def sweep(entries: Sequence[Entry], keep: KeepPolicy, hours: KeepEveryNHours,
+          last_preserved: float) -> Sweep:
+  """Applies `keep`, then `hours` to what `keep` lets go, oldest first.
+
+  The newest entry is always kept: it is the last checkpoint known intact.
 
   Args:
-    entries: every committed checkpoint (Entry), including the new one.
-    max_to_keep: keep the newest N (None keeps all).
-    keep_every_n_hours_: also keep one per this many hours.
-    best: also keep the best K by a metric (see `keep_best`).
+    entries: every managed checkpoint, including the new one.
+    keep: what stays managed.
+    hours: what is preserved of the rest.
+    last_preserved: time of the last preserved checkpoint (TF's
+      `last_preserved_timestamp`).
 
   Returns:
-    The set of prefixes to keep.
+    The Sweep.
   """
+  entries = sorted(entries, key=lambda e: e.number)
   if not entries:
-    return set()
-  kept = keep_last(entries, max_to_keep)
-  kept |= keep_every_n_hours(entries, keep_every_n_hours_)
-  kept |= keep_best(entries, best)
-  # Never delete the newest: it is the last checkpoint known intact.
-  kept.add(max(entries, key=lambda e: e.number).prefix)
-  return kept
+    return Sweep((), (), (), last_preserved)
+  stays = keep.keeps(entries) | {entries[-1].prefix}
+  kept, preserved, deleted = [], [], []
+  for e in entries:
+    if e.prefix in stays:
+      kept.append(e)
+    elif hours.preserves(e, last_preserved):
+      preserved.append(e)
+      last_preserved = e.time
+    else:
+      deleted.append(e)
+  return Sweep(tuple(kept), tuple(preserved), tuple(deleted), last_preserved)

@@ -40,18 +40,36 @@ def _human(n):
 
 def _checkpoints(directory):
   """(prefix, manifest or None) of every checkpoint in `directory`, by number."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint import layout as layout_lib  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  prefixes = set()
-  for name in tf.io.gfile.listdir(directory):
-    m = re.match(r"^(.+-\d+)\.(index|manifest\.json)$", name)
-    if m:
-      prefixes.add(os.path.join(directory, m.group(1)))
-
-  def number(p):
-    return int(p.rsplit("-", 1)[1])
+  found = layout_lib.Layout(directory, None).scan()
+  prefixes = [os.path.join(directory, base) for base, kinds in found.items()
+              if kinds & {"index", "manifest"}]
   return [(p, manifest_lib.read_manifest(p))
-          for p in sorted(prefixes, key=number)]
+          for p in sorted(prefixes, key=layout_lib.number_of)]
+
+
+class UsageError(Exception):
+  """A bad path or argument: one line, exit 2."""
+
+
+def _check_paths(args):
+  """Checks every path argument before any checkpoint is read."""
+  if args.command == "ls":
+    if not os.path.isdir(args.dir) and "://" not in args.dir:
+      raise UsageError(f"{args.dir}: not a directory of checkpoints")
+    return
+  index, manifest = args.path + ".index", args.path + ".manifest.json"
+  if "://" not in args.path:
+    if os.path.isdir(args.path):
+      raise UsageError(f"{args.path}: a directory; pass a checkpoint prefix such as "
+                       f"{os.path.join(args.path, 'ckpt-5')} (tfdp-ckpt ls lists them)")
+    if args.command != "verify" and not os.path.exists(index):
+      raise UsageError(f"{args.path}: no checkpoint there ({index} is missing)")
+    if args.command == "verify" and not (os.path.exists(index) or os.path.exists(manifest)):
+      raise UsageError(f"{args.path}: no checkpoint there (neither {index} nor {manifest})")
+  if args.command == "export" and os.path.exists(args.out) and not os.path.isdir(args.out):
+    raise UsageError(f"{args.out}: exists and is not a directory")
 
 
 def cmd_ls(args, out):
@@ -64,9 +82,8 @@ def cmd_ls(args, out):
       continue
     problems = manifest_lib.check_files(prefix, man, checksums=args.checksums)
     status = "intact" if not problems else "CORRUPT: " + "; ".join(problems)
-    rows.append((os.path.basename(prefix), str(man.get("step")),
-                 _human(man["total_bytes"]), str(man["num_shards"]),
-                 str(man["world_size"]), status))
+    rows.append((os.path.basename(prefix), str(man.step), _human(man.total_bytes),
+                 str(man.num_shards), str(man.world_size), status))
   widths = [max(len(r[i]) for r in rows) for i in range(5)]
   for r in rows:
     out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5] +
@@ -82,8 +99,8 @@ def cmd_verify(args, out):
       out.write(f"BAD {p}\n")
     return 1
   man = manifest_lib.read_manifest(args.path)
-  out.write(f"OK {args.path}: {len(man['files'])} files, "
-            f"{man['total_bytes']} bytes match the manifest\n")
+  out.write(f"OK {args.path}: {len(man.files)} files, "
+            f"{man.total_bytes} bytes match the manifest\n")
   return 0
 
 
@@ -132,6 +149,13 @@ def _write_safetensors(path, tensors):
                                                copy=False).tobytes())
 
 
+def _shard_files(folder):
+  if not os.path.isdir(folder):
+    return []
+  return sorted(f for f in os.listdir(folder)
+                if re.fullmatch(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json", f))
+
+
 def cmd_export(args, out):
   if args.format != "safetensors":
     out.write(f"unsupported --format={args.format}\n")
@@ -153,16 +177,30 @@ def cmd_export(args, out):
     size += nbytes
   if cur:
     shards.append(cur)
+  stale = _shard_files(args.out)
+  if stale and not args.overwrite:
+    raise UsageError(f"{args.out} already holds {len(stale)} exported file(s); pass "
+                     "--overwrite to replace them, or another folder")
+  created = not os.path.exists(args.out)
   os.makedirs(args.out, exist_ok=True)
-  weight_map, total = {}, 0
-  for k, keys in enumerate(shards):
-    fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-    tensors = [(_tensor_name(key), np.asarray(reader.get_tensor(key)))
-               for key in keys]
-    _write_safetensors(os.path.join(args.out, fname), tensors)
-    for name, arr in tensors:
-      weight_map[name] = fname
-      total += arr.nbytes
+  try:
+    for name in stale:
+      os.remove(os.path.join(args.out, name))
+    weight_map, total = {}, 0
+    for k, keys in enumerate(shards):
+      fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+      tensors = [(_tensor_name(key), np.asarray(reader.get_tensor(key)))
+                 for key in keys]
+      _write_safetensors(os.path.join(args.out, fname), tensors)
+      for name, arr in tensors:
+        weight_map[name] = fname
+        total += arr.nbytes
+  except BaseException:
+    for name in _shard_files(args.out):
+      os.remove(os.path.join(args.out, name))
+    if created:
+      os.rmdir(args.out)
+    raise
   with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
               f, indent=2, sort_keys=True)
@@ -193,14 +231,40 @@ def build_parser():
   e.add_argument("out")
   e.add_argument("--format", default="safetensors", choices=["safetensors"])
   e.add_argument("--max_shard_size", type=parse_size, default="5GB")
+  e.add_argument("--overwrite", action="store_true",
+                 help="replace the files of an earlier export in OUT")
   e.set_defaults(fn=cmd_export)
   return p
 
 
-def main(argv=None, out=None):
-  """Runs the tool on `argv` (without the program name); returns the exit code."""
+def main(argv=None, out=None, err=None):
+  """Runs the tool on `argv` (without the program name); returns the exit code.
+
+  A bad path, or a checkpoint that cannot be read, is one line on `err` and
+  exit code 2.
+  """
   args = build_parser().parse_args(argv)
-  return args.fn(args, out or sys.stdout)
+  err = err or sys.stderr
+  try:
+    _check_paths(args)
+    return args.fn(args, out or sys.stdout)
+  except UsageError as e:
+    err.write(f"tfdp-ckpt: error: {e}\n")
+    return 2
+  except Exception as e:  # pylint: disable=broad-except
+    if not _unreadable(e):
+      raise
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    err.write(f"tfdp-ckpt: error: {getattr(args, 'path', '')}: cannot read the "
+              f"checkpoint ({type(e).__name__}: {first}); `tfdp-ckpt verify` names the "
+              "bad file\n")
+    return 2
+
+
+def _unreadable(e):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdp import errors  # pylint: disable=g-import-not-at-top
+  return isinstance(e, (tf.errors.OpError, IndexError, errors.CheckpointError))
 
 
 def run():

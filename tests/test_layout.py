@@ -1,0 +1,49 @@
+"""Layout: every file name of a checkpoint directory, and what a name is."""
+
+import os
+
+from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint.layout import Layout
+
+
+def test_names_of_a_checkpoint():
+  lay = Layout("/d", "ckpt")
+  p = lay.prefix(7)
+  assert p == "/d/ckpt-7"
+  assert layout_lib.index_path(p) == "/d/ckpt-7.index"
+  assert layout_lib.data_filename(p, 1, 3) == "/d/ckpt-7.data-00001-of-00003"
+  assert layout_lib.manifest_path(p) == "/d/ckpt-7.manifest.json"
+  assert layout_lib.corrupt_path(p) == "/d/ckpt-7.manifest.json.corrupt"
+  assert lay.lease_path == "/d/.tfdp-lease.json" and lay.state_path == "/d/checkpoint"
+  tmp = lay.tmp_dir("abc-000002", 7)
+  assert tmp == "/d/.tfdp-tmp/abc-000002-ckpt-7"
+  assert lay.tmp_base(os.path.basename(tmp)) == "ckpt-7"
+  assert lay.marker_path(tmp, 1) == tmp + "/w00001.done.json"
+  assert lay.failed_path(tmp) == tmp + "/FAILED.json"
+  assert lay.shard_prefix(tmp, 1, 2) == tmp + "/w00001-00002"
+  assert layout_lib.number_of(p) == 7
+  assert layout_lib.per_worker_prefix(3) == "_tfdp_per_worker/3/"
+
+
+def test_parse_kinds_and_names():
+  lay = Layout("/d", "ckpt")
+  want = {"ckpt-3.index": "index", "ckpt-3.data-00000-of-00002": "data",
+          "ckpt-3.manifest.json": "manifest", "ckpt-3.manifest.json.tmp-42": "manifest_tmp",
+          "ckpt-3.manifest.json.corrupt": "corrupt"}
+  for name, kind in want.items():
+    parsed = lay.parse(name)
+    assert (parsed.base, parsed.number, parsed.kind) == ("ckpt-3", 3, kind), name
+  for other in ("checkpoint", ".tfdp-lease.json", "model-3.index", "ckpt-3.txt", "ckpt-x.index"):
+    assert lay.parse(other) is None, other
+  anyname = Layout("/d", None).parse("my-model-12.index")
+  assert (anyname.base, anyname.number) == ("my-model-12", 12)
+
+
+def test_scan_and_files_of(tmp_path):
+  for name in ("ckpt-1.index", "ckpt-1.data-00000-of-00001", "ckpt-1.manifest.json",
+               "ckpt-2.index", "checkpoint", "notes.txt"):
+    (tmp_path / name).write_text("x")
+  lay = Layout(str(tmp_path), "ckpt")
+  assert lay.scan() == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
+  assert sorted(os.path.basename(p) for p in lay.files_of(lay.prefix(1))) == [
+      "ckpt-1.data-00000-of-00001", "ckpt-1.index"]

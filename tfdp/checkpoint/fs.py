@@ -1,0 +1,107 @@
+"""The file-system seam of checkpoints: fsync, atomic writes and renames, listing, deletion."""
+
+import json
+import os
+
+import tensorflow as tf
+
+# Every function takes a local path or any tf.io.gfile URL. Object stores
+# (gs://, s3://) make an object durable when it is closed and have no
+# directories to fsync; their rename is a copy, which is why the commit point
+# is a small file written last, not a renamed directory.
+
+
+def is_local(path: str) -> bool:
+  """True for paths of the local file system (fsync applies)."""
+  return "://" not in path or path.startswith("file://")
+
+
+def _local(path):
+  return path[len("file://"):] if path.startswith("file://") else path
+
+
+def fsync_file(path: str) -> None:
+  """Flushes `path` to stable storage (no-op for object stores: close is durable)."""
+  if not is_local(path):
+    return
+  fd = os.open(_local(path), os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+  """Makes renames and creations inside directory `path` durable."""
+  if not is_local(path):
+    return
+  try:
+    fd = os.open(_local(path), os.O_RDONLY | os.O_DIRECTORY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` so readers see all of it or nothing (temp, fsync, rename)."""
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with tf.io.gfile.GFile(tmp, "w") as f:
+    f.write(text)
+  fsync_file(tmp)
+  tf.io.gfile.rename(tmp, path, overwrite=True)
+  fsync_dir(os.path.dirname(path))
+
+
+def write_json_atomic(path: str, obj) -> None:
+  """Writes `obj` as JSON to `path`, atomically (see write_atomic)."""
+  write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+
+
+def read_json(path: str):
+  """Reads a JSON file; None if it does not exist or is not complete JSON."""
+  try:
+    with tf.io.gfile.GFile(path, "r") as f:
+      return json.loads(f.read())
+  except (tf.errors.NotFoundError, ValueError):
+    return None
+
+
+def listdir(path: str) -> list[str]:
+  """Names in directory `path` (without a trailing '/'); [] when it does not exist."""
+  try:
+    return [n.rstrip("/") for n in tf.io.gfile.listdir(path)]
+  except tf.errors.NotFoundError:
+    return []
+
+
+def exists(path: str) -> bool:
+  return tf.io.gfile.exists(path)
+
+
+def isdir(path: str) -> bool:
+  return tf.io.gfile.isdir(path)
+
+
+def size(path: str) -> int:
+  return tf.io.gfile.stat(path).length
+
+
+def makedirs(path: str) -> None:
+  tf.io.gfile.makedirs(path)
+
+
+def rename(src: str, dst: str) -> None:
+  tf.io.gfile.rename(src, dst, overwrite=True)
+
+
+def remove(path: str) -> None:
+  tf.io.gfile.remove(path)
+
+
+def rmtree(path: str) -> None:
+  tf.io.gfile.rmtree(path)

@@ -1,0 +1,256 @@
+"""How a save's bytes land: shards written and fsynced per worker, markers, the chief's merge and commit."""
+
+from concurrent import futures
+import dataclasses
+import os
+import time
+
+from absl import logging
+import tensorflow as tf
+from tensorflow.python.ops import gen_io_ops
+
+from tfdp import errors
+from tfdp.checkpoint import faults
+from tfdp.checkpoint import fs
+from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint import planner
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveJob:
+  """Everything one worker needs to finish one save, foreground or background."""
+  layout: layout_lib.Layout
+  prefix: str  # Final prefix, e.g. /dir/ckpt-7.
+  tmp_dir: str  # Shared by all workers of this save.
+  save_id: str  # The session and this save's sequence number: same on every worker.
+  worker: int
+  num_workers: int
+  files: list[list[planner.Item]]  # This worker's part of the SavePlan.
+  timeout: float
+  meta: manifest_lib.SaveMeta  # Chief only: written into the manifest.
+  kept: tuple[str, ...] = ()  # Basenames the manager keeps after this save.
+
+  @property
+  def is_chief(self) -> bool:
+    return self.worker == 0
+
+
+def run(job: SaveJob) -> manifest_lib.Manifest:
+  """Writes this worker's shards, then commits (chief) or waits for the commit.
+
+  Returns:
+    The committed checkpoint's manifest.
+
+  Raises:
+    CheckpointError: a worker did not finish, or the chief failed.
+  """
+  try:
+    _write_shards(job)
+    return _commit(job) if job.is_chief else _wait_for_commit(job)
+  except BaseException as e:
+    if job.is_chief:
+      try:
+        fs.write_json_atomic(job.layout.failed_path(job.tmp_dir),
+                             {"error": str(e), "time": time.time()})
+      except Exception:  # pylint: disable=broad-except
+        pass
+    raise
+
+
+def _write_file(job, j, items):
+  """Writes and fsyncs one shard file (TF releases the GIL while it writes)."""
+  shard_prefix = job.layout.shard_prefix(job.tmp_dir, job.worker, j)
+  with tf.device("/cpu:0"):
+    gen_io_ops.save_v2(
+        shard_prefix, [it.key for it in items], [it.slice_spec for it in items],
+        [tf.convert_to_tensor(it.value) for it in items])
+  data = layout_lib.data_filename(shard_prefix, 0, 1)
+  index = layout_lib.index_path(shard_prefix)
+  fs.fsync_file(data)
+  fs.fsync_file(index)
+  return {
+      "prefix": os.path.basename(shard_prefix),
+      "data": manifest_lib.describe_data_file(data, [it.key for it in items]).to_dict(),
+      "index_size": fs.size(index),
+      "num_tensors": len(items),
+      "state_bytes": sum(it.nbytes for it in items),
+  }
+
+
+def _write_shards(job):
+  faults.reached("before_shard", job.worker)
+  fs.makedirs(job.tmp_dir)
+  if len(job.files) <= 1:  # None when this worker got no tensor.
+    shards = [_write_file(job, j, f) for j, f in enumerate(job.files)]
+  else:
+    with futures.ThreadPoolExecutor(
+        min(len(job.files), planner.PARALLEL_FILES),
+        thread_name_prefix="tfdp-ckpt-file") as pool:
+      shards = list(pool.map(lambda a: _write_file(job, *a), enumerate(job.files)))
+  fs.fsync_dir(job.tmp_dir)
+  faults.reached("after_shard", job.worker)
+  fs.write_json_atomic(job.layout.marker_path(job.tmp_dir, job.worker), {
+      "worker": job.worker, "num_workers": job.num_workers,
+      "session": job.save_id, "shards": shards, "time": time.time(),
+      "bytes_written": sum(s["data"]["size"] + s["index_size"] for s in shards)})
+  faults.reached("after_marker", job.worker)
+
+
+def _poll(deadline_s, check, on_timeout):
+  deadline = time.monotonic() + deadline_s
+  pause = 0.01
+  while True:
+    result = check()
+    if result is not None:
+      return result
+    if time.monotonic() > deadline:
+      raise on_timeout()
+    time.sleep(pause)
+    pause = min(pause * 1.5, 0.5)
+
+
+def _wait_for_markers(job):
+  markers = {}
+
+  def check():
+    for w in range(job.num_workers):
+      if w not in markers:
+        m = fs.read_json(job.layout.marker_path(job.tmp_dir, w))
+        if m is not None:
+          markers[w] = m
+    if len(markers) == job.num_workers:
+      return [markers[w] for w in range(job.num_workers)]
+    return None
+
+  def timeout():
+    missing = [w for w in range(job.num_workers) if w not in markers]
+    return errors.CheckpointError(
+        f"Checkpoint {job.prefix} not committed: worker(s) {missing} did "
+        f"not finish writing their shards within {job.timeout:.0f}s (no "
+        f"{job.layout.marker_path(job.tmp_dir, missing[0])}). The worker "
+        "probably crashed or is stuck; the previous checkpoint is intact. "
+        "Restart the job, or raise commit_timeout if the file system is slow.")
+
+  return _poll(job.timeout, check, timeout)
+
+
+def _commit(job):
+  markers = _wait_for_markers(job)
+  # Leftovers of an earlier failed attempt at the same number.
+  for path in job.layout.files_of(job.prefix):
+    fs.remove(path)
+  shard_prefixes, records = [], []
+  for m in markers:
+    for s in m["shards"]:
+      shard_prefixes.append(os.path.join(job.tmp_dir, s["prefix"]))
+      records.append(s)
+  n = len(shard_prefixes)
+  with tf.device("/cpu:0"):
+    gen_io_ops.merge_v2_checkpoints(shard_prefixes, job.prefix, delete_old_dirs=False)
+  faults.reached("during_commit", job.worker)
+  files = []
+  for k, s in enumerate(records):
+    path = layout_lib.data_filename(job.prefix, k, n)
+    size = fs.size(path)
+    if size != s["data"]["size"]:
+      raise errors.CheckpointError(
+          f"{path}: {size} bytes after merge, worker wrote "
+          f"{s['data']['size']}; the file system lost data.")
+    fs.fsync_file(path)
+    files.append(manifest_lib.FileRecord(os.path.basename(path), size,
+                                         tensors=s["data"]["tensors"]))
+  index = layout_lib.index_path(job.prefix)
+  fs.fsync_file(index)
+  files.insert(0, manifest_lib.describe_file(index))
+  fs.fsync_dir(job.layout.directory)
+  man = manifest_lib.Manifest(
+      **dataclasses.asdict(job.meta),
+      prefix=os.path.basename(job.prefix), time=time.time(), files=files,
+      num_shards=n, total_bytes=sum(f.size for f in files),
+      state_bytes=sum(s["state_bytes"] for s in records),
+      world_size=job.num_workers, session=job.save_id, kept=list(job.kept),
+      writers={str(m["worker"]): {"bytes_written": m["bytes_written"],
+                                  "files": len(m["shards"])} for m in markers})
+  # The commit point: the checkpoint exists once its manifest does.
+  manifest_lib.write_manifest(job.prefix, man)
+  faults.reached("after_commit", job.worker)
+  try:
+    fs.rmtree(job.tmp_dir)
+  except tf.errors.OpError as e:
+    logging.warning("tfdp: could not remove %s: %s", job.tmp_dir, e)
+  return man
+
+
+def _wait_for_commit(job):
+  def check():
+    m = manifest_lib.read_manifest(job.prefix)
+    if m is not None and m.session == job.save_id:
+      return m
+    failed = fs.read_json(job.layout.failed_path(job.tmp_dir))
+    if failed is not None:
+      raise errors.CheckpointError(
+          f"Checkpoint {job.prefix} not committed: the chief failed: {failed['error']}")
+    return None
+
+  def timeout():
+    return errors.CheckpointError(
+        f"Checkpoint {job.prefix} not committed: worker 0 (the chief) did not "
+        f"write {layout_lib.manifest_path(job.prefix)} within "
+        f"{2 * job.timeout:.0f}s; it probably crashed. The previous checkpoint "
+        "is intact.")
+
+  return _poll(2 * job.timeout, check, timeout)
+
+
+def cleanup(layout: layout_lib.Layout, session: str | None = None) -> None:
+  """Deletes leftovers of torn saves: temp dirs, and files of uncommitted checkpoints.
+
+  Index and data files without a manifest are deleted only when a temp dir
+  of theirs is left (a save that merged but did not commit) or their
+  manifest was set aside as corrupt: files that TF wrote itself (no
+  manifest, no temp dir) are the user's and stay.
+
+  Args:
+    layout: the checkpoint directory.
+    session: temp dirs of this session are in use and kept.
+  """
+  torn = set()
+  for sub in fs.listdir(layout.tmp_root):
+    if session is not None and sub.startswith(session + "-"):
+      continue
+    torn.add(layout.tmp_base(sub))
+    logging.info("tfdp: removing %s (left by a save that did not commit)", sub)
+    fs.rmtree(os.path.join(layout.tmp_root, sub))
+  found = layout.scan()
+  for fname in fs.listdir(layout.directory):
+    parsed = layout.parse(fname)
+    if parsed is None:
+      continue
+    kinds = found[parsed.base]
+    if parsed.kind == "manifest_tmp" or (
+        parsed.kind in ("index", "data") and "manifest" not in kinds and
+        (parsed.base in torn or "corrupt" in kinds)):
+      logging.info("tfdp: removing %s (left by a save that did not commit)", fname)
+      fs.remove(os.path.join(layout.directory, fname))
+
+
+def delete(layout: layout_lib.Layout, prefix: str) -> None:
+  """Deletes checkpoint `prefix`: its manifest first, so a crash leaves no committed half."""
+  try:
+    path = layout_lib.manifest_path(prefix)
+    if fs.exists(path):
+      fs.remove(path)
+    for path in layout.files_of(prefix):
+      fs.remove(path)
+  except tf.errors.OpError as e:
+    logging.warning("tfdp: could not delete old checkpoint %s: %s", prefix, e)
+
+
+def set_aside(prefix: str, error: str) -> None:
+  """Uncommits corrupt checkpoint `prefix`: its manifest becomes `.corrupt` (a marker when it has none)."""
+  path, aside = layout_lib.manifest_path(prefix), layout_lib.corrupt_path(prefix)
+  if fs.exists(path):
+    fs.rename(path, aside)
+  else:
+    fs.write_json_atomic(aside, {"error": error, "time": time.time()})
