@@ -48,9 +48,14 @@ def _launch(args, num_workers, log_path):
 
 
 def _cli(*argv):
-  out = io.StringIO()
-  code = ckpt_cli.main(list(argv), out=out)
-  return code, out.getvalue()
+  code, out, _ = _cli_err(*argv)
+  return code, out
+
+
+def _cli_err(*argv):
+  out, err = io.StringIO(), io.StringIO()
+  code = ckpt_cli.main(list(argv), out=out, err=err)
+  return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +98,19 @@ def runs(tmp_path_factory):
         capture_output=True, text=True, timeout=180)
     results["mirrored"] = p
 
+  def outside():
+    d = os.path.join(root, "outside")
+    os.makedirs(d + "_out")
+    results["outside"] = _launch(["outside", f"--dir={d}", f"--out={d}_out", "--seed=5"],
+                                 2, d + ".log")
+
   def crash(phase, worker):
     d = os.path.join(root, f"crash_{phase}")
     results[phase] = _launch(
         ["crash", f"--dir={d}", f"--run_id={uuid.uuid4().hex}",
          f"--crash_at={phase}:{worker}", "--timeout=60"], 2, d + ".log")
 
-  threads = [threading.Thread(target=mirrored)] + [
+  threads = [threading.Thread(target=mirrored), threading.Thread(target=outside)] + [
       threading.Thread(target=crash, args=pw) for pw in CRASH_PHASES]
   for t in threads:
     t.start()
@@ -208,6 +219,25 @@ def test_sigkill_at_each_phase_leaves_intact_latest(runs, phase, worker):
   mgr.restore_or_initialize()
   expected = ckpt_worker.values(1 if want == "ckpt-1" else 2)
   assert ckpt_worker.same(ckpt_worker.read(mgr.checkpoint.model), expected)
+
+
+def test_manager_outside_scope_without_strategy_shares_one_checkpoint(runs):
+  """The TF-tutorial way under 2 workers: 1x the state per save, both write, TF reads it."""
+  assert runs["outside"] == 0, _log(runs, "outside.log")
+  d = os.path.join(runs["root"], "outside")
+  res = [json.load(open(os.path.join(d + "_out", f"outside-w{i}.json"))) for i in range(2)]
+  assert [(r["worker"], r["num_workers"]) for r in res] == [(0, 2), (1, 2)]
+  want = [os.path.join(d, f"ckpt-{i}") for i in (2, 3)]
+  assert res[0]["checkpoints"] == res[1]["checkpoints"] == want
+  man = manifest_lib.read_manifest(want[-1])
+  written = [man.writers[str(i)]["bytes_written"] for i in range(2)]
+  assert man.world_size == 2 and all(w > 0 for w in written), written
+  assert sum(written) <= 1.1 * ckpt_worker.state_bytes()
+  assert sorted({f.split(".")[0] for f in os.listdir(d) if f.startswith("ckpt-")}) == [
+      "ckpt-2", "ckpt-3"]
+  model = ckpt_worker.make_state(None)
+  tf.train.Checkpoint(model=model).restore(want[-1]).assert_existing_objects_matched()
+  assert ckpt_worker.same(ckpt_worker.read(model), ckpt_worker.values(7))
 
 
 def _copy(runs, name):
@@ -379,6 +409,34 @@ def test_cli_ls_inspect_export(runs, tmp_path):
   for name in ckpt_worker.SPECS:
     np.testing.assert_array_equal(loaded[f"model.{name}"], expected[name])
   assert not any(k.startswith("_tfdp") for k in index["weight_map"])
+
+
+def test_cli_bad_paths_and_damaged_checkpoints_are_one_line_exit_2(runs, tmp_path):
+  no_index = _copy(runs, "cli_no_index")
+  os.remove(no_index + ".index")
+  code, out, err = _cli_err("inspect", no_index)
+  assert (code, out, err.count("\n")) == (2, "", 1) and "ckpt-1.index" in err, err
+  truncated = _copy(runs, "cli_truncated")
+  with open(truncated + ".data-00001-of-00002", "r+b") as f:
+    f.truncate(1000)
+  dest = tmp_path / "export"
+  code, out, err = _cli_err("export", truncated, str(dest))
+  assert (code, err.count("\n")) == (2, 1) and "data-00001-of-00002" in err, err
+  assert not dest.exists()  # No empty output folder left behind.
+  for argv in (("ls", truncated + ".index"), ("verify", str(tmp_path / "nothing")),
+               ("inspect", os.path.dirname(truncated)),
+               ("export", os.path.join(runs["root"], "a", "ckpt-1"), truncated + ".index")):
+    code, out, err = _cli_err(*argv)
+    assert (code, out, err.count("\n")) == (2, "", 1), (argv, err)
+  # An earlier export is replaced only with --overwrite, stale shards removed.
+  good = os.path.join(runs["root"], "a", "ckpt-1")
+  again = tmp_path / "again"
+  assert _cli("export", good, str(again))[0] == 0
+  (again / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+  code, _, err = _cli_err("export", good, str(again))
+  assert code == 2 and "--overwrite" in err
+  assert _cli("export", good, str(again), "--overwrite")[0] == 0
+  assert not (again / "model-00009-of-00009.safetensors").exists()
 
 
 def test_cli_runs_as_module(runs):

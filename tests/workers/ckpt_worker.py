@@ -135,6 +135,23 @@ def main_mwms(a):
     json.dump(res, f)
 
 
+def main_outside(a):
+  """As TF tutorials build it: the manager outside strategy.scope(), no strategy=."""
+  strategy = mwms()
+  with strategy.scope():
+    model = make_state(values(a.seed))
+  mgr = CheckpointManager(tf.train.Checkpoint(model=model), a.dir, max_to_keep=2,
+                          commit_timeout=60)
+  paths = []
+  for i in range(3):
+    assign(model, values(a.seed + i))
+    paths.append(mgr.save())
+  res = {"worker": mgr.worker_index, "num_workers": mgr.num_workers, "paths": paths,
+         "checkpoints": mgr.checkpoints}
+  with open(os.path.join(a.out, f"outside-w{mgr.worker_index}.json"), "w") as f:
+    json.dump(res, f)
+
+
 def main_crash(a):
   """Explicit worker args (no collectives): a good save, then a crashing one."""
   w = int(os.environ["TFDP_WORKER_INDEX"])
@@ -177,7 +194,7 @@ def main_mirrored(a):
 
 if __name__ == "__main__":
   p = argparse.ArgumentParser()
-  p.add_argument("mode", choices=["mwms", "crash", "mirrored"])
+  p.add_argument("mode", choices=["mwms", "crash", "mirrored", "outside"])
   p.add_argument("--dir")
   p.add_argument("--out")
   p.add_argument("--seed", type=int, default=1)
@@ -189,4 +206,5 @@ if __name__ == "__main__":
   p.add_argument("--timeout", type=float, default=20)
   args = p.parse_args()
   install_crash_hook()
-  {"mwms": main_mwms, "crash": main_crash, "mirrored": main_mirrored}[args.mode](args)
+  {"mwms": main_mwms, "crash": main_crash, "mirrored": main_mirrored,
+   "outside": main_outside}[args.mode](args)

@@ -70,6 +70,13 @@ def _check_paths(args):
       raise UsageError(f"{args.path}: no checkpoint there (neither {index} nor {manifest})")
   if args.command == "export" and os.path.exists(args.out) and not os.path.isdir(args.out):
     raise UsageError(f"{args.out}: exists and is not a directory")
+  if args.command in ("inspect", "export"):
+    from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+    man = manifest_lib.read_manifest(args.path)
+    problems = manifest_lib.check_files(args.path, man, checksums=False) if man else []
+    if problems:
+      raise UsageError(f"{problems[0]}: the checkpoint is damaged (tfdp-ckpt verify "
+                       "lists every bad file)")
 
 
 def cmd_ls(args, out):

@@ -1,0 +1,122 @@
+"""One writer per checkpoint directory: the lease, its refusal, and when a stale one is taken over."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import tensorflow as tf
+
+from tfdp import errors
+from tfdp.checkpoint import CheckpointManager
+from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import lease as lease_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOLDER = """
+import sys, time
+import tensorflow as tf
+from tfdp.checkpoint import CheckpointManager
+mgr = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(3.0)), sys.argv[1])
+mgr.save()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _lease(directory):
+  with open(os.path.join(directory, layout_lib.LEASE_FILENAME)) as f:
+    return json.load(f)
+
+
+def _write_lease(directory, **fields):
+  lease = dict({"session": "other", "host": socket.gethostname(), "pid": os.getpid(),
+                "heartbeat": time.time()}, **fields)
+  with open(os.path.join(directory, layout_lib.LEASE_FILENAME), "w") as f:
+    json.dump(lease, f)
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory):
+  """A directory leased by another live process (a real second job)."""
+  d = str(tmp_path_factory.mktemp("lease") / "model")
+  env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+  proc = subprocess.Popen([sys.executable, "-c", HOLDER, d], env=env, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  assert proc.stdout.readline().strip() == "ready"
+  yield d, proc
+  proc.kill()
+  proc.wait()
+
+
+def test_a_second_job_is_refused_before_it_deletes_anything(held):
+  d, proc = held
+  # Leftovers a cleanup would delete: a torn save's temp dir and a torn manifest.
+  torn = os.path.join(d, layout_lib.TMP_DIRNAME, "zzz-000001-ckpt-9")
+  os.makedirs(torn, exist_ok=True)
+  open(os.path.join(d, "ckpt-9.manifest.json.tmp-1"), "w").close()
+  before = sorted(os.listdir(d))
+  with pytest.raises(errors.CheckpointError) as e:
+    CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), d)
+  msg = str(e.value)
+  assert f"host {socket.gethostname()}" in msg and f"pid {proc.pid}" in msg, msg
+  assert sorted(os.listdir(d)) == before and os.path.isdir(torn)
+  # A worker of another session (explicit indices, run id B) is refused too.
+  with pytest.raises(errors.CheckpointError, match=f"pid {proc.pid}"):
+    CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), d, worker_index=1,
+                      num_workers=2, run_id="B", commit_timeout=0.3)
+  assert _lease(d)["pid"] == proc.pid
+
+
+def test_a_dead_holder_on_this_host_is_taken_over(held):
+  d, proc = held
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  v = tf.Variable(0.0)
+  mgr = CheckpointManager(tf.train.Checkpoint(v=v), d)
+  assert _lease(d)["pid"] == os.getpid()
+  assert mgr.restore_or_initialize() == os.path.join(d, "ckpt-1") and v.numpy() == 3.0
+  # Its cleanup ran once the lease was ours.
+  assert not os.path.exists(os.path.join(d, "ckpt-9.manifest.json.tmp-1"))
+
+
+def test_same_process_replaces_and_close_releases(tmp_path):
+  d = str(tmp_path)
+  first = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), d)
+  first.save()
+  second = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(2.0)), d)  # fit, fit again
+  assert _lease(d)["pid"] == os.getpid()
+  second.restore_or_initialize()
+  assert os.path.basename(second.save()) == "ckpt-2"
+  second.close()
+  assert not os.path.exists(os.path.join(d, layout_lib.LEASE_FILENAME))
+  assert os.path.basename(second.save()) == "ckpt-3"  # Taken again.
+  assert os.path.exists(os.path.join(d, layout_lib.LEASE_FILENAME))
+
+
+def test_another_hosts_lease_until_its_heartbeat_expires(tmp_path):
+  d = str(tmp_path)
+  _write_lease(d, host="elsewhere", pid=1, heartbeat=time.time())
+  with pytest.raises(errors.CheckpointError, match="host elsewhere, pid 1"):
+    CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), d)
+  _write_lease(d, host="elsewhere", pid=1, heartbeat=time.time() - lease_lib.EXPIRY_S - 5)
+  mgr = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), d)
+  mgr.save()
+  assert _lease(d)["host"] == socket.gethostname()
+  del mgr  # A manager that is gone holds nothing.
+  assert not os.path.exists(os.path.join(d, layout_lib.LEASE_FILENAME))
+
+
+def test_heartbeat_is_renewed_while_the_manager_lives(tmp_path, monkeypatch):
+  monkeypatch.setattr(lease_lib, "RENEW_S", 0.05)
+  mgr = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), str(tmp_path))
+  first = _lease(str(tmp_path))["heartbeat"]
+  deadline = time.time() + 10
+  while _lease(str(tmp_path))["heartbeat"] == first and time.time() < deadline:
+    time.sleep(0.05)
+  assert _lease(str(tmp_path))["heartbeat"] > first
+  mgr.close()
