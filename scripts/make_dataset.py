@@ -28,7 +28,8 @@ _TOPICS = {
 _GLUE = "the a of and to in on with is was for it this that by at".split()
 
 
-def image_arrays(n, size, num_classes, seed):
+def image_arrays(n: int, size: int, num_classes: int,
+                 seed: int) -> tuple[np.ndarray, np.ndarray]:
   """uint8 images: a per-class colour pattern plus noise; labels."""
   rng = np.random.default_rng(seed)
   templates = rng.uniform(40, 215, size=(num_classes, 4, 4, 3))
@@ -39,7 +40,7 @@ def image_arrays(n, size, num_classes, seed):
   return np.clip(images, 0, 255).astype(np.uint8), labels.astype(np.int64)
 
 
-def corpus(n, seed):
+def corpus(n: int, seed: int) -> list[str]:
   """n short documents, each mostly about one topic."""
   rng = np.random.default_rng(seed)
   topics = list(_TOPICS.values())
@@ -53,7 +54,7 @@ def corpus(n, seed):
   return docs
 
 
-def interaction_arrays(n, seed):
+def interaction_arrays(n: int, seed: int) -> dict[str, np.ndarray]:
   """(id, user, item, label, dense): label from a low-rank preference model plus noise."""
   rng = np.random.default_rng(seed)
   u = rng.normal(size=(NUM_USERS, 3))
@@ -82,8 +83,13 @@ def _store(name, features, arrays, data_dir, file_format, num_shards=None):
   return builder
 
 
-def write_images(data_dir, *, num_examples=512, image_size=32, num_classes=10, seed=0,
-                 file_format="array_record"):
+def write_images(data_dir: str, *, num_examples: int = 512, image_size: int = 32,
+                 num_classes: int = 10, seed: int = 0, file_format: str = "array_record"):
+  """The TFDS image dataset: uint8 images of `image_arrays` and class labels.
+
+  Returns:
+    The dataset's TFDS builder.
+  """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   images, labels = image_arrays(num_examples, image_size, num_classes, seed)
   features = tfds.features.FeaturesDict({
@@ -92,8 +98,13 @@ def write_images(data_dir, *, num_examples=512, image_size=32, num_classes=10, s
   return _store(IMAGES, features, {"image": images, "label": labels}, data_dir, file_format)
 
 
-def write_text(data_dir, *, num_examples=512, vocab_size=400, seed=0, file_format="array_record"):
-  """The TFDS text dataset, plus `tfdp_text_corpus/{corpus.txt,vocab.txt}` beside it."""
+def write_text(data_dir: str, *, num_examples: int = 512, vocab_size: int = 400, seed: int = 0,
+               file_format: str = "array_record"):
+  """The TFDS text dataset, plus `tfdp_text_corpus/{corpus.txt,vocab.txt}` beside it.
+
+  Returns:
+    The dataset's TFDS builder.
+  """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from tfdp import text  # pylint: disable=g-import-not-at-top
   docs = corpus(num_examples, seed)
@@ -107,8 +118,13 @@ def write_text(data_dir, *, num_examples=512, vocab_size=400, seed=0, file_forma
   return _store(TEXT, features, {"text": np.array(docs, dtype=object)}, data_dir, file_format)
 
 
-def write_interactions(data_dir, *, num_examples=512, num_shards=4, seed=0,
-                       file_format="array_record"):
+def write_interactions(data_dir: str, *, num_examples: int = 512, num_shards: int = 4,
+                       seed: int = 0, file_format: str = "array_record"):
+  """The TFDS interactions dataset in `num_shards` files (workers read whole files).
+
+  Returns:
+    The dataset's TFDS builder.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   features = tfds.features.FeaturesDict({
@@ -121,7 +137,7 @@ def write_interactions(data_dir, *, num_examples=512, num_shards=4, seed=0,
                 file_format, num_shards=num_shards)
 
 
-def define_flags():
+def define_flags() -> None:
   """Defines the script's flags; only when run as a script, so that importing
   its writers (as the tests do) leaves the global flag registry alone."""
   flags.DEFINE_string("data_dir", None, "TFDS data directory to write into.", required=True)
@@ -138,7 +154,7 @@ def define_flags():
   flags.DEFINE_integer("seed", 0, "Seed of the generated data.")
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   unknown = set(FLAGS.modality) - set(MODALITIES)

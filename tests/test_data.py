@@ -85,6 +85,29 @@ def test_array_source_and_errors():
     data.steps_per_epoch(10, 16)
 
 
+def test_every_source_is_a_source_that_says_how_it_resumes():
+  sources = [data.ArraySource(np.arange(32)), data.FunctionSource(lambda i: i, 32),
+             data.DatasetSource(lambda: tf.data.Dataset.range(32), num_examples=32)]
+  assert all(isinstance(s, data.Source) for s in sources)
+  assert [s.random_access for s in sources] == [True, True, False]
+
+
+def test_a_random_access_source_of_ones_own_needs_only_fetch():
+  class Squares(data.RandomAccessSource):
+    name = "squares"
+    num_examples = 32
+
+    def fetch(self, indices):
+      return indices * indices
+
+  assert isinstance(Squares(), data.Source)
+  ctx = tf.distribute.InputContext(1, 0, 2)
+  ds = data.replica_dataset(Squares(), global_batch_size=8, seed=0, start_step=3,
+                            input_context=ctx)
+  want = data.example_indices(3, num_examples=32, global_batch_size=8, seed=0).numpy()
+  np.testing.assert_array_equal(np.concatenate([x.numpy() for x in ds.take(2)]), want ** 2)
+
+
 def test_local_replicas_split_features_of_unknown_shape():
   # A py_function source gives features whose inner shape is unknown until
   # run time; each local replica must still get its slice of the batch.

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import models
 from tests.conftest import REPO, launch_workers
 from tfdp import data
 from tfdp import datasets
@@ -42,7 +43,7 @@ def no_network(monkeypatch):
 
 
 def _batches(dataset, start_step, steps, global_batch_size=8, worker=None):
-  source = dataset.source if worker is None else dataset.worker_source(*worker)
+  source = dataset.source if worker is None else dataset.source.for_worker(*worker)
   ds = data.replica_dataset(source, global_batch_size=global_batch_size, seed=3,
                             start_step=start_step, transform=dataset.transform)
   return [tf.nest.map_structure(lambda t: t.numpy(), b) for b in ds.take(steps)]
@@ -56,7 +57,7 @@ def _assert_same(a, b):
 def test_tfds_images_from_make_dataset(data_dir, no_network):
   sys.path.insert(0, os.path.join(REPO, "scripts"))
   import make_dataset  # pylint: disable=g-import-not-at-top
-  d = datasets.load("tfds:tfdp_images", task="image_classification", data_dir=data_dir)
+  d = datasets.load("tfds:tfdp_images", task=models.IMAGE_CLASSIFICATION, data_dir=data_dir)
   assert d.num_examples == N and d.model_kwargs == {"input_shape": (32, 32, 3), "num_classes": 10}
   (images, labels), = _batches(d, 0, 1)
   assert images.shape == (8, 32, 32, 3) and images.dtype == np.float32
@@ -68,15 +69,15 @@ def test_tfds_images_from_make_dataset(data_dir, no_network):
                              rtol=1e-5)
   # Random access: resuming at step 5 gives what a run from 0 saw at step 5.
   _assert_same(_batches(d, 0, 6)[5], _batches(d, 5, 1)[0])
-  resized = datasets.load("tfds:tfdp_images", task="image_classification", data_dir=data_dir,
-                          image_size=16)
+  resized = datasets.load("tfds:tfdp_images", task=models.IMAGE_CLASSIFICATION,
+                          data_dir=data_dir, image_size=16)
   assert _batches(resized, 0, 1)[0][0].shape == (8, 16, 16, 3)
 
 
 def test_tfds_text_through_wordpiece_with_deterministic_masks(data_dir, no_network):
   vocab = os.path.join(data_dir, "tfdp_text_corpus", "vocab.txt")
-  d = datasets.load("tfds:tfdp_text", task="masked_lm", data_dir=data_dir, vocab_file=vocab,
-                    seq_len=32)
+  d = datasets.load("tfds:tfdp_text", task=models.MASKED_LM, data_dir=data_dir,
+                    vocab_file=vocab, seq_len=32)
   tok = text.WordPiece(vocab)
   assert d.model_kwargs == {"vocab_size": tok.vocab_size, "seq_len": 32, "max_predictions": 5}
   run = _batches(d, 0, 4)
@@ -116,8 +117,9 @@ def test_masking_is_15_percent_80_10_10_and_independent_of_the_replica_split():
 
 def test_sequential_fallback_for_tfrecord_datasets(tmp_path, no_network):
   data_dir = _make(tmp_path, "--modality=images", "--file_format=tfrecord")
-  d = datasets.load("tfds:tfdp_images", task="image_classification", data_dir=data_dir)
-  assert d.source is None and d.sequential is not None and d.name.endswith(":sequential")
+  d = datasets.load("tfds:tfdp_images", task=models.IMAGE_CLASSIFICATION, data_dir=data_dir)
+  assert isinstance(d.source, data.DatasetSource) and not d.source.random_access
+  assert d.name.endswith(":sequential")
   strategy = tf.distribute.get_strategy()
   first = [b for _, b in zip(range(4), d.distribute(strategy, global_batch_size=8, seed=0))]
   resumed = next(iter(d.distribute(strategy, global_batch_size=8, seed=0, start_step=3)))
@@ -126,18 +128,20 @@ def test_sequential_fallback_for_tfrecord_datasets(tmp_path, no_network):
 
 def test_unprepared_and_unknown_datasets_say_how_to_prepare_offline(tmp_path, no_network):
   with pytest.raises(errors.ConfigError, match=r"not prepared.*tfds build cifar10.*manual_dir"):
-    datasets.load("tfds:cifar10", task="image_classification", data_dir=str(tmp_path))
+    datasets.load("tfds:cifar10", task=models.IMAGE_CLASSIFICATION, data_dir=str(tmp_path))
   with pytest.raises(errors.ConfigError, match="neither a TFDS catalogue name nor prepared"):
-    datasets.load("tfds:no_such_set", task="image_classification", data_dir=str(tmp_path))
+    datasets.load("tfds:no_such_set", task=models.IMAGE_CLASSIFICATION, data_dir=str(tmp_path))
   with pytest.raises(errors.ConfigError, match="Unknown --dataset 'imagenet'"):
     datasets.check_name("imagenet")
   with pytest.raises(errors.ConfigError, match="--vocab_file"):
     text.WordPiece(str(tmp_path / "missing.txt"))
+  with pytest.raises(errors.ConfigError, match="--vocab_file"):
+    text.WordPiece(None)  # --dataset=text:PATH without --vocab_file
 
 
 def test_feature_mismatch_is_a_config_error(data_dir):
   with pytest.raises(errors.ConfigError, match=r"needs \['text'\]"):
-    datasets.load("tfds:tfdp_images", task="masked_lm", data_dir=data_dir,
+    datasets.load("tfds:tfdp_images", task=models.MASKED_LM, data_dir=data_dir,
                   vocab_file=os.path.join(data_dir, "tfdp_text_corpus", "vocab.txt"))
 
 
@@ -161,8 +165,26 @@ def test_worker_files_follow_file_sharding():
 
 def test_fewer_files_than_workers_is_a_config_error(data_dir):
   with pytest.raises(errors.ConfigError, match=r"4 file\(s\), fewer than the 5 workers.*--num_shards=5"):
-    datasets.load("tfds:tfdp_interactions", task="recommendation", data_dir=data_dir,
+    datasets.load("tfds:tfdp_interactions", task=models.RECOMMENDATION, data_dir=data_dir,
                   num_workers=5)
+
+
+def test_interactions_are_read_by_file_per_worker(data_dir):
+  sys.path.insert(0, os.path.join(REPO, "scripts"))
+  import make_dataset  # pylint: disable=g-import-not-at-top
+  d = datasets.load("tfds:tfdp_interactions", task=models.RECOMMENDATION, data_dir=data_dir,
+                    num_workers=2)
+  assert isinstance(d.source, data.Source) and d.source.random_access
+  assert d.num_examples == N and d.name.endswith(":files/2workers")
+  mine = d.source.for_worker(1, 2)
+  assert mine.num_examples == N // 2 and mine.name == d.name + ":worker1of2"
+  # Pipeline 1 of 2 (one replica each) reads 4 examples a step from files 1 and 3 only.
+  ctx = tf.distribute.InputContext(2, 1, 2)
+  ds = data.replica_dataset(d.source, global_batch_size=8, seed=0, input_context=ctx)
+  dense = make_dataset.interaction_arrays(N, 0)["dense"]
+  rows = np.concatenate([f["dense"].numpy() for f, _ in ds.take(N // 2 // 4)])
+  ids = {int(np.flatnonzero((dense == r).all(1))[0]) for r in rows}
+  assert ids == set(range(64, 128)) | set(range(192, 256))
 
 
 def test_two_workers_read_disjoint_interactions_whose_union_is_everything(data_dir, tmp_path):

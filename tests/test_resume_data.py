@@ -59,6 +59,7 @@ def test_tfrecord_source_reads_any_step_like_an_in_memory_source(tmp_path):
   records = data.TFRecordSource([tmp_path / "a.tfrecord", tmp_path / "b.tfrecord"], _parse)
   arrays = data.ArraySource(np.arange(48))
   assert records.num_examples == 48 and "a.tfrecord,b.tfrecord" in records.name
+  assert isinstance(records, data.Source) and records.random_access
   ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1,
                                    num_replicas_in_sync=4)
   for step in (0, 7, 10**6):
@@ -84,6 +85,7 @@ def test_dataset_source_skips_to_the_step_and_slices_per_replica():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdp import data  # pylint: disable=g-import-not-at-top
   source = data.DatasetSource(lambda: tf.data.Dataset.range(20), num_examples=20)
+  assert isinstance(source, data.Source) and not source.random_access
   # Global batch 4 at step 6 = examples 24..27 of the repeated stream = 4..7;
   # pipeline 1 of 2 (2 replicas each) holds replicas 2 and 3 = [6], [7].
   ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1,

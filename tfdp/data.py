@@ -3,22 +3,108 @@
 import dataclasses
 import os
 import struct
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import tensorflow as tf
 
 from tfdp import errors
 
+# `fn(batch, step) -> batch`, a pure function of its inputs (e.g. masking or
+# augmentation seeded by the step), applied to each per-replica batch.
+Transform = Callable[[Any, tf.Tensor], Any]
+
+
+@runtime_checkable
+class Source(Protocol):
+  """What `replica_dataset` and `distribute` read: a named, sized set of examples.
+
+  Each source builds the batches of one input pipeline itself, so how it
+  reaches a step lives in the source: a `RandomAccessSource` fetches the
+  examples of each step by index (resuming costs O(1)); a `DatasetSource`
+  reads a stream and skips (O(k)).
+  """
+
+  @property
+  def name(self) -> str:
+    """Identity of the data, recorded in checkpoints."""
+
+  @property
+  def num_examples(self) -> int:
+    """Examples in one epoch (all workers together)."""
+
+  @property
+  def random_access(self) -> bool:
+    """Whether any step is reached in O(1) (else by reading and skipping, O(k))."""
+
+  def replica_batches(self, *, global_batch_size: int, seed: int, start_step: int,
+                      input_context: tf.distribute.InputContext, shuffle: bool,
+                      transform: Transform | None) -> tf.data.Dataset:
+    """The per-replica batches of `input_context`'s pipeline from `start_step` on.
+
+    For each global step, one batch per local replica, in local-replica
+    order; infinite. `replica_dataset` has checked the arguments and adds
+    prefetching and the pipeline options.
+    """
+
+
+class RandomAccessSource:
+  """Base of the sources that read any example by its index: subclasses define `fetch`.
+
+  The examples of global step k are `example_indices(k, ...)`, so any step
+  is reached in O(1). Subclasses also provide `name` and `num_examples`.
+  """
+
+  random_access = True
+
+  def fetch(self, indices: tf.Tensor) -> Any:
+    """The examples at `indices` (an int64 vector), batched."""
+    raise NotImplementedError
+
+  def replica_batches(self, *, global_batch_size: int, seed: int, start_step: int,
+                      input_context: tf.distribute.InputContext, shuffle: bool,
+                      transform: Transform | None) -> tf.data.Dataset:
+    """See `Source.replica_batches`."""
+    pipelines = input_context.num_input_pipelines
+    local = input_context.num_replicas_in_sync // pipelines
+    per_replica = global_batch_size // input_context.num_replicas_in_sync
+
+    def load(k):
+      # One fetch per step for all local replicas (their slices of the global
+      # batch are contiguous), then one element per replica.
+      step = start_step + k
+      indices = example_indices(
+          step, num_examples=self.num_examples,
+          global_batch_size=global_batch_size, seed=seed, shuffle=shuffle,
+          replica=input_context.input_pipeline_id, num_replicas=pipelines)
+      batch = self.fetch(indices)
+      if local == 1:
+        return transform(batch, step) if transform else batch
+      if not transform:  # [local * per_replica, ...] -> [local, per_replica, ...]
+        def split(t):
+          if t.shape[1:].is_fully_defined():
+            return tf.reshape(t, [local, per_replica] + t.shape[1:].as_list())
+          return tf.reshape(t, tf.concat([[local, per_replica], tf.shape(t)[1:]], 0))
+        return tf.nest.map_structure(split, batch)
+      parts = [transform(tf.nest.map_structure(
+          lambda t, r=r: t[r * per_replica:(r + 1) * per_replica], batch), step)
+               for r in range(local)]
+      return tf.nest.map_structure(lambda *xs: tf.stack(xs), *parts)
+
+    ds = tf.data.Dataset.counter(dtype=tf.int64).map(
+        load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.unbatch() if local > 1 else ds
+
 
 @dataclasses.dataclass(frozen=True)
-class ArraySource:
+class ArraySource(RandomAccessSource):
   """Examples held in memory: a nested structure of arrays with equal length.
 
   Attributes:
     features: dict, tuple or array; the first axis indexes examples.
     name: identity of the data, recorded in checkpoints.
   """
-  features: object
+  features: Any
   name: str = "arrays"
 
   def __post_init__(self):
@@ -28,10 +114,10 @@ class ArraySource:
           f"ArraySource arrays must all have the same length, got {sorted(lengths)}.")
 
   @property
-  def num_examples(self):
+  def num_examples(self) -> int:
     return len(tf.nest.flatten(self.features)[0])
 
-  def fetch(self, indices):
+  def fetch(self, indices: tf.Tensor) -> Any:
     """Examples at `indices` (an int64 vector), batched."""
     return tf.nest.map_structure(lambda a: tf.gather(a, indices),
                                  self._host_tensors())
@@ -53,21 +139,21 @@ class ArraySource:
 
 
 @dataclasses.dataclass(frozen=True)
-class FunctionSource:
+class FunctionSource(RandomAccessSource):
   """Examples computed from their index: `fn(indices) -> batched structure`.
 
   `fn` must be a pure function of the indices (stateless random ops seeded by
   the index), which makes any position reachable in O(1).
   """
-  fn: object
+  fn: Callable[[tf.Tensor], Any]
   num_examples: int
   name: str = "function"
 
-  def fetch(self, indices):
+  def fetch(self, indices: tf.Tensor) -> Any:
     return self.fn(indices)
 
 
-def tfrecord_index(paths):
+def tfrecord_index(paths: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(file, offset, length) of every record of uncompressed TFRecord files, in order.
 
   Reads only the 12-byte record headers (seeking past the data), once.
@@ -99,7 +185,7 @@ def tfrecord_index(paths):
           np.asarray(lengths, np.int64))
 
 
-class TFRecordSource:
+class TFRecordSource(RandomAccessSource):
   """Records of uncompressed TFRecord files, read at any position in O(1).
 
   An index of record offsets (`tfrecord_index`, built once when the source
@@ -115,7 +201,8 @@ class TFRecordSource:
       names and the record count).
   """
 
-  def __init__(self, paths, parse, name=None):
+  def __init__(self, paths: str | os.PathLike | list, parse: Callable[[tf.Tensor], Any],
+               name: str | None = None):
     self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not self.paths:
       raise errors.ConfigError("TFRecordSource needs at least one file.")
@@ -126,7 +213,7 @@ class TFRecordSource:
         ",".join(os.path.basename(p) for p in self.paths), self.num_examples)
 
   @property
-  def num_examples(self):
+  def num_examples(self) -> int:
     return len(self._offsets)
 
   def _read(self, indices):
@@ -148,7 +235,7 @@ class TFRecordSource:
         handle.close()
     return out
 
-  def fetch(self, indices):
+  def fetch(self, indices: tf.Tensor) -> Any:
     records = tf.numpy_function(self._read, [indices], tf.string, stateful=False)
     records.set_shape([None])
     return self.parse(records)
@@ -171,13 +258,17 @@ class DatasetSource:
     num_examples: examples in one pass.
     name: identity of the data, recorded in checkpoints.
   """
-  make_dataset: object
+  make_dataset: Callable[[], tf.data.Dataset]
   num_examples: int
   name: str = "dataset"
 
-  def replica_dataset(self, *, global_batch_size, start_step, input_context,
-                      transform=None):
-    """The per-replica batches of this pipeline's replicas from `start_step` on."""
+  random_access = False
+
+  def replica_batches(self, *, global_batch_size: int, seed: int, start_step: int,
+                      input_context: tf.distribute.InputContext, shuffle: bool,
+                      transform: Transform | None) -> tf.data.Dataset:
+    """See `Source.replica_batches`; `seed` and `shuffle` are not used (the stream's own order)."""
+    del seed, shuffle
     replicas = input_context.num_replicas_in_sync
     per_replica = global_batch_size // replicas
     local = replicas // input_context.num_input_pipelines
@@ -197,7 +288,7 @@ class DatasetSource:
     return ds.enumerate().flat_map(split)
 
 
-def steps_per_epoch(num_examples, global_batch_size):
+def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
   """Full global batches in one pass over the data (the remainder is dropped)."""
   steps = num_examples // global_batch_size
   if steps < 1:
@@ -207,8 +298,9 @@ def steps_per_epoch(num_examples, global_batch_size):
   return steps
 
 
-def example_indices(step, *, num_examples, global_batch_size, seed,
-                    shuffle=True, replica=0, num_replicas=1):
+def example_indices(step: int | tf.Tensor, *, num_examples: int, global_batch_size: int,
+                    seed: int, shuffle: bool = True, replica: int | tf.Tensor = 0,
+                    num_replicas: int = 1) -> tf.Tensor:
   """Indices of the examples replica `replica` sees at global step `step`.
 
   The global batch at `step` is positions [i*G, (i+1)*G) of epoch
@@ -242,7 +334,7 @@ def example_indices(step, *, num_examples, global_batch_size, seed,
       positions, seed=key, max_index=num_examples - 1)
 
 
-def per_replica_batch_size(global_batch_size, num_replicas):
+def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
   """`global_batch_size / num_replicas`, or a ConfigError if it does not divide."""
   if global_batch_size < 1 or global_batch_size % num_replicas:
     raise errors.ConfigError(
@@ -252,8 +344,10 @@ def per_replica_batch_size(global_batch_size, num_replicas):
   return global_batch_size // num_replicas
 
 
-def replica_dataset(source, *, global_batch_size, seed, start_step=0,
-                    input_context=None, shuffle=True, transform=None):
+def replica_dataset(source: Source, *, global_batch_size: int, seed: int,
+                    start_step: int = 0,
+                    input_context: tf.distribute.InputContext | None = None,
+                    shuffle: bool = True, transform: Transform | None = None) -> tf.data.Dataset:
   """The `tf.data.Dataset` one input pipeline feeds to its local replicas.
 
   It yields, for each global step from `start_step` on, one per-replica batch
@@ -262,9 +356,9 @@ def replica_dataset(source, *, global_batch_size, seed, start_step=0,
   worker. The dataset is infinite; the caller decides how many steps to run.
 
   Args:
-    source: an `ArraySource`, `FunctionSource`, `TFRecordSource` or anything
-      with `num_examples` and `fetch(indices)` (O(1) resume), or a
-      `DatasetSource` (O(k) resume by skipping).
+    source: a `Source`: an `ArraySource`, `FunctionSource`, `TFRecordSource`
+      or other `RandomAccessSource` (O(1) resume), or a `DatasetSource` (O(k)
+      resume by skipping).
     global_batch_size: examples per step across all replicas.
     seed: int seed of the order.
     start_step: first global step; resuming costs O(1) in it.
@@ -276,6 +370,10 @@ def replica_dataset(source, *, global_batch_size, seed, start_step=0,
 
   Returns:
     A `tf.data.Dataset` of per-replica batches.
+
+  Raises:
+    ConfigError: the batch does not split evenly over the replicas and
+      pipelines, or the data holds less than one global batch.
   """
   if input_context is None:
     input_context = tf.distribute.InputContext()
@@ -287,50 +385,19 @@ def replica_dataset(source, *, global_batch_size, seed, start_step=0,
         "input pipelines; every worker needs the same number of replicas.")
   per_replica_batch_size(global_batch_size, num_replicas)
   steps_per_epoch(source.num_examples, global_batch_size)
-  local = num_replicas // pipelines
   options = tf.data.Options()
   options.deterministic = True
   options.experimental_distribute.auto_shard_policy = (
       tf.data.experimental.AutoShardPolicy.OFF)
-  if isinstance(source, DatasetSource):
-    return (source.replica_dataset(
-        global_batch_size=global_batch_size, start_step=start_step,
-        input_context=input_context, transform=transform)
-            .prefetch(tf.data.AUTOTUNE).with_options(options))
-
-  per_replica = global_batch_size // num_replicas
-
-  def load(k):
-    # One fetch per step for all local replicas (their slices of the global
-    # batch are contiguous), then one element per replica.
-    step = start_step + k
-    indices = example_indices(
-        step, num_examples=source.num_examples,
-        global_batch_size=global_batch_size, seed=seed, shuffle=shuffle,
-        replica=input_context.input_pipeline_id, num_replicas=pipelines)
-    batch = source.fetch(indices)
-    if local == 1:
-      return transform(batch, step) if transform else batch
-    if not transform:  # [local * per_replica, ...] -> [local, per_replica, ...]
-      def split(t):
-        if t.shape[1:].is_fully_defined():
-          return tf.reshape(t, [local, per_replica] + t.shape[1:].as_list())
-        return tf.reshape(t, tf.concat([[local, per_replica], tf.shape(t)[1:]], 0))
-      return tf.nest.map_structure(split, batch)
-    parts = [transform(tf.nest.map_structure(
-        lambda t, r=r: t[r * per_replica:(r + 1) * per_replica], batch), step)
-             for r in range(local)]
-    return tf.nest.map_structure(lambda *xs: tf.stack(xs), *parts)
-
-  ds = tf.data.Dataset.counter(dtype=tf.int64).map(
-      load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  if local > 1:
-    ds = ds.unbatch()
+  ds = source.replica_batches(
+      global_batch_size=global_batch_size, seed=seed, start_step=start_step,
+      input_context=input_context, shuffle=shuffle, transform=transform)
   return ds.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
-def distribute(strategy, source, *, global_batch_size, seed, start_step=0,
-               shuffle=True, transform=None):
+def distribute(strategy: tf.distribute.Strategy, source: Source, *, global_batch_size: int,
+               seed: int, start_step: int = 0, shuffle: bool = True,
+               transform: Transform | None = None) -> tf.distribute.DistributedDataset:
   """A distributed dataset for `strategy` whose step k is the same on any topology.
 
   Pass it to `model.fit(..., steps_per_epoch=...)`; Keras keeps one iterator
@@ -348,8 +415,8 @@ def distribute(strategy, source, *, global_batch_size, seed, start_step=0,
   return strategy.distribute_datasets_from_function(fn)
 
 
-def synthetic_images(*, num_examples=2048, image_shape=(32, 32, 3),
-                     num_classes=10, seed=0, noise=1.0):
+def synthetic_images(*, num_examples: int = 2048, image_shape: tuple = (32, 32, 3),
+                     num_classes: int = 10, seed: int = 0, noise: float = 1.0) -> FunctionSource:
   """Images with a learnable signal: a fixed per-class template plus noise.
 
   Each example is a pure function of (seed, index), computed on the fly, so

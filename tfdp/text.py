@@ -1,6 +1,7 @@
 """A small WordPiece tokenizer (BERT's uncased basic + greedy longest-match-first) over a vocab file."""
 
 import collections
+from typing import Iterable, Mapping
 import unicodedata
 
 import numpy as np
@@ -18,7 +19,7 @@ def _is_punctuation(ch):
   return unicodedata.category(ch).startswith("P")
 
 
-def basic_tokenize(text):
+def basic_tokenize(text: str) -> list[str]:
   """Lower-cases, strips accents and splits on whitespace and punctuation (BERT's BasicTokenizer)."""
   text = unicodedata.normalize("NFD", text.lower())
   words, current = [], []
@@ -42,8 +43,12 @@ def basic_tokenize(text):
   return words
 
 
-def load_vocab(path):
-  """token -> id from a WordPiece vocab file (one token per line, id = line number)."""
+def load_vocab(path: str | None) -> dict[str, int]:
+  """token -> id from a WordPiece vocab file (one token per line, id = line number).
+
+  Raises:
+    ConfigError: the file is missing or lacks a special token.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if not path or not tf.io.gfile.exists(path):
     raise errors.ConfigError(
@@ -64,17 +69,18 @@ def load_vocab(path):
 class WordPiece:
   """Text -> BERT input ids: `[CLS] pieces... [SEP]`, padded or truncated to `seq_len`."""
 
-  def __init__(self, vocab, max_chars_per_word=100):
-    self.vocab = load_vocab(vocab) if isinstance(vocab, str) else dict(vocab)
+  def __init__(self, vocab: str | Mapping[str, int] | None, max_chars_per_word: int = 100):
+    """`vocab` is a vocab file (see `load_vocab`; None raises its ConfigError) or token -> id."""
+    self.vocab = dict(vocab) if isinstance(vocab, Mapping) else load_vocab(vocab)
     self.max_chars = max_chars_per_word
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
         self.vocab[t] for t in SPECIAL)
 
   @property
-  def vocab_size(self):
+  def vocab_size(self) -> int:
     return max(self.vocab.values()) + 1
 
-  def word_pieces(self, word):
+  def word_pieces(self, word: str) -> list[str]:
     """Greedy longest-match-first split of one word; [UNK] if it cannot be split."""
     if len(word) > self.max_chars:
       return [UNK]
@@ -92,10 +98,10 @@ class WordPiece:
       start = end
     return pieces
 
-  def tokenize(self, text):
+  def tokenize(self, text: str) -> list[str]:
     return [p for w in basic_tokenize(text) for p in self.word_pieces(w)]
 
-  def encode(self, text, seq_len):
+  def encode(self, text: str | bytes, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids int32 [seq_len], mask int32 [seq_len]) of one text."""
     if isinstance(text, bytes):
       text = text.decode("utf-8", errors="replace")
@@ -108,7 +114,7 @@ class WordPiece:
     return out, mask
 
 
-def build_vocab(texts, size=2000):
+def build_vocab(texts: Iterable[str], size: int = 2000) -> list[str]:
   """A WordPiece vocabulary for `texts`: special tokens, every character (alone and as ##suffix), then the commonest words.
 
   Every word of `texts` is thus encodable without [UNK]. (A real vocabulary

@@ -11,13 +11,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def main():
   data_dir, out_dir, global_batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+  import models  # pylint: disable=g-import-not-at-top
   from tfdp import datasets  # pylint: disable=g-import-not-at-top
   from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   strategy = strategy_lib.make_strategy("multi_worker")
   worker, workers = strategy_lib.worker_info(strategy)
-  dataset = datasets.load("tfds:tfdp_interactions", task="recommendation", data_dir=data_dir,
+  dataset = datasets.load("tfds:tfdp_interactions", task=models.RECOMMENDATION, data_dir=data_dir,
                           num_workers=workers)
-  mine = dataset.worker_source(worker, workers).num_examples
+  mine = dataset.source.for_worker(worker, workers).num_examples
   steps = mine // (global_batch // workers)
   it = iter(dataset.distribute(strategy, global_batch_size=global_batch, seed=0))
   rows = []
