@@ -9,13 +9,13 @@ import tensorflow as tf
 
 import models
 from tfdp import callbacks as tfdp_callbacks
+from tfdp import cluster
 from tfdp import data
 from tfdp import datasets as datasets_lib
 from tfdp import errors
 from tfdp import heartbeat
 from tfdp import optim
 from tfdp import preemption
-from tfdp import state as state_lib
 from tfdp import strategy as strategy_lib
 from tfdp import training
 
@@ -140,8 +140,8 @@ def run(config):
       config.strategy, cpu_replicas=config.cpu_replicas,
       all_reduce=config.all_reduce, timeout_seconds=config.collective_timeout,
       bytes_per_pack=config.bytes_per_pack)
-  worker, num_workers = strategy_lib.worker_info(strategy)
-  chief = worker == 0
+  worker = cluster.resolve(strategy)
+  chief, num_workers = worker.is_chief, worker.count
   if not chief:
     logging.set_verbosity(logging.WARNING)
   data.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
@@ -158,48 +158,28 @@ def run(config):
   with strategy.scope():
     model = _build(config, spec, source)
     _compile(model, config, spec)
-    train_state = state_lib.TrainState(model, run_config=run_config)
 
-  manager = None
+  # The same resume path as a user's script: tfdp.callbacks.BackupAndRestore
+  # restores, saves every N steps, on preemption and at the end.
+  backup = None
+  cbs = []
   if config.model_dir:
-    from tfdp.checkpoint import CheckpointManager  # pylint: disable=g-import-not-at-top
-    manager = CheckpointManager(
-        train_state.checkpoint, config.model_dir,
-        max_to_keep=config.max_to_keep, async_save=config.async_checkpoint,
-        max_shard_bytes=config.max_shard_bytes,
-        global_batch_size=config.global_batch_size, strategy=strategy)
-
-    def check(prefix):
-      for d in state_lib.check_checkpoint(train_state, prefix,
-                                          config.allow_config_mismatch):
-        logging.warning("Resuming despite a config mismatch: %s", d)
-
-    with strategy.scope():
-      restored = manager.restore_newest_intact(before_restore=check)
-    if restored:
-      logging.info("Restored %s at step %d.", restored, train_state.step)
-
-  start_step = train_state.step
+    backup = tfdp_callbacks.BackupAndRestore(
+        config.model_dir, save_freq=config.checkpoint_every_steps or False,
+        delete_checkpoint=False, save_before_preemption=True,
+        preemption_grace_seconds=config.preemption_grace_seconds,
+        run_config=run_config, allow_config_mismatch=config.allow_config_mismatch,
+        async_save=config.async_checkpoint, max_to_keep=config.max_to_keep,
+        max_shard_bytes=config.max_shard_bytes, save_at_end=True)
+    backup.restore(model)
+    cbs.append(backup)
+  start_step = int(model.optimizer.iterations.numpy())
   if start_step > config.train_steps:
     raise errors.ConfigError(
         f"{config.model_dir} holds a checkpoint at step {start_step}, past "
         f"--train_steps={config.train_steps}; raise --train_steps or use a new "
         "--model_dir.")
 
-  cbs = []
-  handler = None
-  if manager is not None:
-    every = tfdp_callbacks.CheckpointEvery(manager, config.checkpoint_every_steps)
-    cbs.append(every)
-
-    def save_for_preemption(step):
-      if every.last_saved_step != step:
-        manager.save(checkpoint_number=step)
-      manager.wait_until_finished()
-      return manager.latest_checkpoint
-
-    handler = preemption.SignalHandler(config.preemption_grace_seconds).install()
-    cbs.append(preemption.PreemptionCallback(save_for_preemption, handler=handler))
   cbs.append(heartbeat.Heartbeat())  # progress for tfdp-launch --hang_timeout
   if chief:
     cbs.append(tfdp_callbacks.Throughput(config.global_batch_size))
@@ -217,25 +197,16 @@ def run(config):
         steps_per_epoch=steps_per_epoch, callbacks=cbs,
         verbose="auto" if chief else 0)
   except preemption.Preempted as e:
-    manager.close()
     if chief:
       logging.warning("Preempted: saved %s at step %d; run the same command "
                       "again to resume.", e.checkpoint, e.step)
     raise
-  finally:
-    if handler is not None:
-      handler.uninstall()
 
+  step = int(model.optimizer.iterations.numpy())
   path = None
-  if manager is not None:
-    step = train_state.step
-    manager.wait_until_finished()
-    latest = manager.latest_checkpoint
-    if latest is None or not latest.endswith(f"-{step}"):
-      manager.save(checkpoint_number=step)
-      manager.wait_until_finished()
-    path = manager.latest_checkpoint
-    manager.close()
+  if backup is not None:
+    path = backup.manager.latest_checkpoint
+    backup.manager.close()
     if chief:
       logging.info("Final checkpoint at step %d: %s", step, path)
-  return TrainResult(model, start_step, train_state.step, path, histories)
+  return TrainResult(model, start_step, step, path, histories)

@@ -1,7 +1,9 @@
 """`fit` that starts at any global step: Keras epochs cut so the data position is exact."""
 
+import contextlib
 import dataclasses
 
+from tfdp import callbacks as callbacks_lib
 from tfdp import errors
 
 
@@ -77,24 +79,23 @@ def fit(model, make_dataset, *, steps_per_epoch, epochs=None, train_steps=None,
   if train_steps is None:
     train_steps = epochs * steps_per_epoch
   callbacks = list(callbacks or [])
-  # pylint: disable=g-import-not-at-top
-  from tfdp import callbacks as tfdp_callbacks
-  # pylint: enable=g-import-not-at-top
-  backups = [c for c in callbacks if isinstance(c, tfdp_callbacks.BackupAndRestore)]
-  for backup in backups:
-    backup._target_step = train_steps  # pylint: disable=protected-access
-  if start_step is None:
-    for backup in backups:
-      backup.restore(model)
-    start_step = int(model.optimizer.iterations.numpy())
+  backups = [c for c in callbacks if isinstance(c, callbacks_lib.BackupAndRestore)]
   histories = []
-  for seg in plan(start_step, train_steps, steps_per_epoch):
-    # Keras's own BackupAndRestore leaves this set; it would override ours.
-    model._initial_epoch = None  # pylint: disable=protected-access
-    histories.append(model.fit(
-        make_dataset(seg.first_step), initial_epoch=seg.first_epoch,
-        epochs=seg.last_epoch, steps_per_epoch=seg.steps, callbacks=callbacks,
-        verbose=verbose, shuffle=False, **fit_kwargs))
-    if getattr(model, "stop_training", False):
-      break
+  with contextlib.ExitStack() as stack:
+    for backup in backups:
+      stack.enter_context(backup.spanning_fit_calls(model))
+    if start_step is None:
+      for backup in backups:
+        backup.restore(model)
+      start_step = int(model.optimizer.iterations.numpy())
+    for seg in plan(start_step, train_steps, steps_per_epoch):
+      # A restore by Keras's own BackupAndRestore leaves this set; it would
+      # override the segment's first epoch.
+      model._initial_epoch = None  # pylint: disable=protected-access
+      histories.append(model.fit(
+          make_dataset(seg.first_step), initial_epoch=seg.first_epoch,
+          epochs=seg.last_epoch, steps_per_epoch=seg.steps, callbacks=callbacks,
+          verbose=verbose, shuffle=False, **fit_kwargs))
+      if getattr(model, "stop_training", False):
+        break
   return histories

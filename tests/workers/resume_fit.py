@@ -4,23 +4,15 @@ Usage: resume_fit.py BACKUP_DIR STRATEGY. Env TFDP_TEST_SLOW_FROM=N sleeps
 after each step from global step N on, so a test can kill it mid-epoch.
 """
 
-import os
 import sys
-import time
 
 import keras
 import tensorflow as tf
 
 import tfdp
+
 from models import cnn
-
-
-class _Slow(keras.callbacks.Callback):
-
-  def on_train_batch_end(self, batch, logs=None):
-    if 0 <= int(os.environ.get("TFDP_TEST_SLOW_FROM", "-1")) <= int(
-        self.model.optimizer.iterations.numpy()):
-      time.sleep(0.3)
+import slow_steps  # tests/workers/
 
 
 def main(backup_dir, kind):
@@ -41,7 +33,7 @@ def main(backup_dir, kind):
   tfdp.fit(model,
            lambda step: tfdp.data.distribute(strategy, source, global_batch_size=16,
                                              seed=1, start_step=step),
-           epochs=5, steps_per_epoch=8, callbacks=[backup, _Slow()], verbose=0)
+           epochs=5, steps_per_epoch=8, callbacks=[backup, slow_steps.SlowFrom()], verbose=0)
   print(f"restored_step={backup.restored_step} final_step="
         f"{int(model.optimizer.iterations.numpy())}", flush=True)
 

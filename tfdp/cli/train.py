@@ -1,6 +1,7 @@
 """`tfdp-train`: absl flags -> TrainConfig -> tfdp.trainer.run."""
 
 import dataclasses
+import os
 import sys
 
 from absl import app
@@ -111,9 +112,40 @@ def config_from_flags():
                         for f in dataclasses.fields(TrainConfig)})
 
 
+def _local(path):
+  return path and "://" not in path
+
+
+def check_paths():
+  """Raises ConfigError for a --model_dir or --data_dir no run can use (before TF starts)."""
+  model_dir = FLAGS.model_dir
+  if _local(model_dir):
+    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+      raise errors.ConfigError(
+          f"--model_dir={model_dir} is a file, not a directory; pass a directory "
+          "(it is created if missing).")
+    parent = os.path.abspath(model_dir)
+    while not os.path.exists(parent):
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+      raise errors.ConfigError(
+          f"--model_dir={model_dir} cannot be created or written ({parent} is not a "
+          "writable directory); pass a writable path.")
+  data_dir = FLAGS.data_dir
+  if _local(data_dir) and not os.path.isdir(data_dir):
+    raise errors.ConfigError(
+        f"--data_dir={data_dir} is not a directory; pass the folder the dataset "
+        "was prepared in (see scripts/make_dataset.py).")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  try:
+    check_paths()
+  except errors.ConfigError as e:
+    print(f"tfdp-train: error: {e}", file=sys.stderr)
+    return 2
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdp import trainer  # pylint: disable=g-import-not-at-top
   # TF logs one INFO line per variable and collective; keep the console readable.
