@@ -59,17 +59,21 @@ def test_allow_config_mismatch_resumes_anyway(saved, tmp_path):
   assert os.path.exists(os.path.join(model_dir, "ckpt-4.manifest.json"))
 
 
-def test_a_corrupt_latest_checkpoint_is_set_aside_and_the_run_goes_on(saved, tmp_path):
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_latest_checkpoint_is_set_aside_and_the_run_goes_on(saved, tmp_path, damage):
   model_dir = str(tmp_path / "model")
   shutil.copytree(saved, model_dir)
   code, out = _train(model_dir, 4)
   assert code == 0, out[-3000:]
   latest = os.path.join(model_dir, "ckpt-4")
-  with open(latest + ".data-00000-of-00001", "r+b") as f:  # Same size, bad bytes.
-    f.seek(100)
-    b = f.read(1)
-    f.seek(100)
-    f.write(bytes([b[0] ^ 0xFF]))
+  with open(latest + ".data-00000-of-00001", "r+b") as f:
+    if damage == "flip":  # Same size, bad bytes.
+      f.seek(100)
+      b = f.read(1)
+      f.seek(100)
+      f.write(bytes([b[0] ^ 0xFF]))
+    else:  # The run-config check must not read it before its size is checked.
+      f.truncate(1000)
   code, out = _train(model_dir, 4)
   assert code == 0, out[-3000:]
   assert "Skipping a corrupt checkpoint" in out and "ckpt-4" in out, out[-3000:]
