@@ -1,5 +1,6 @@
 """The README stays true to the code: every tfdp-train flag is documented, the quick start exists."""
 
+import json
 import os
 import re
 import subprocess
@@ -24,16 +25,42 @@ def test_every_train_flag_is_in_the_flags_table():
   assert documented - ours == set(), "README documents flags that do not exist"
 
 
+def _data_bytes(ckpt_dir, prefix="ckpt-48"):
+  return sum(os.path.getsize(os.path.join(ckpt_dir, f)) for f in os.listdir(ckpt_dir)
+             if f.startswith(prefix + ".data-"))
+
+
 def test_python_example_runs_and_resumes(tmp_path):
   code = re.search(r"```python\n(.*?)```", _readme(), re.S).group(1)
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("TF_CONFIG", None)
+  one, two = tmp_path / "one_worker", tmp_path / "two_workers"
+  one.mkdir()
+  two.mkdir()
   for _ in range(2):  # the second run finds ckpt-48 and has nothing left to train
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=one, env=env, timeout=300,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
     assert proc.returncode == 0, proc.stdout.decode()[-3000:]
-  assert sorted(f for f in os.listdir(tmp_path / "runs" / "example") if f.endswith(".index")) == [
+  assert sorted(f for f in os.listdir(one / "runs" / "example") if f.endswith(".index")) == [
       "ckpt-16.index", "ckpt-32.index", "ckpt-48.index"]
+
+  # The same file under `tfdp-launch --num_workers=2`, train then resume: its
+  # manager is built outside the strategy's scope, as TF's tutorials build it.
+  (two / "example.py").write_text(code)
+  for _ in range(2):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--", sys.executable,
+         "example.py"], cwd=two, env=env, timeout=300, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, check=False)
+    assert proc.returncode == 0, proc.stdout.decode()[-3000:]
+  ckpts = two / "runs" / "example"
+  assert sorted(f for f in os.listdir(ckpts) if f.endswith(".index")) == [
+      "ckpt-16.index", "ckpt-32.index", "ckpt-48.index"]
+  with open(ckpts / "ckpt-48.manifest.json", encoding="utf-8") as f:
+    manifest = json.load(f)
+  assert manifest["world_size"] == 2
+  # 1x the state per save, not one copy per worker.
+  assert _data_bytes(ckpts) <= 1.05 * _data_bytes(one / "runs" / "example")
 
 
 def test_quick_start_commands():
