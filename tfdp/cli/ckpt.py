@@ -85,7 +85,7 @@ def cmd_ls(args, out):
   for prefix, man in _checkpoints(args.dir):
     if man is None:
       rows.append((os.path.basename(prefix), "-", "-", "-", "-",
-                   "uncommitted (no manifest)"))
+                   "no tfdp manifest (written by TF itself, or a torn save)"))
       continue
     problems = manifest_lib.check_files(prefix, man, checksums=args.checksums)
     status = "intact" if not problems else "CORRUPT: " + "; ".join(problems)
