@@ -1,4 +1,4 @@
-"""Tests of tfdp.strategy: each kind, each bad input, multi-worker cpu_replicas."""
+"""Tests of tfdp.strategy: the pure choice of kind (every branch and error), each builder, each bad input, multi-worker cpu_replicas."""
 
 import json
 import sys
@@ -6,6 +6,7 @@ import sys
 import pytest
 import tensorflow as tf
 
+from tfdp import cluster
 from tfdp import errors
 from tfdp import strategy as S
 from tests.conftest import launch_workers
@@ -98,9 +99,65 @@ def test_bad_tf_config(monkeypatch, raw, match):
 
 
 def test_tf_config_parsing():
-  assert S.parse_tf_config("") is None
-  config = S.parse_tf_config(_tf_config(3, 2))
-  assert S.num_cluster_workers(config) == 3
+  assert cluster.parse_tf_config("") is None
+  config = cluster.parse_tf_config(_tf_config(3, 2))
+  assert cluster.num_cluster_workers(config) == 3
+
+
+@pytest.mark.parametrize("kind, workers, gpus, cpu_replicas, expected", [
+    ("auto", 2, 0, None, "multi_worker"),
+    ("auto", 2, 4, 2, "multi_worker"),
+    ("auto", None, 2, None, "mirrored"),
+    ("auto", None, 0, 2, "mirrored"),
+    ("auto", 1, 0, 2, "mirrored"),
+    ("auto", None, 1, 4, "one_device"),
+    ("auto", None, 0, None, "default"),
+    ("auto", None, 0, 1, "default"),
+    ("auto", 1, 0, None, "default"),
+    ("multi_worker", 1, 0, None, "multi_worker"),
+    ("multi_worker", 3, 0, None, "multi_worker"),
+    ("mirrored", None, 0, None, "mirrored"),
+    ("one_device", None, 0, None, "one_device"),
+    ("default", 1, 2, None, "default"),
+])
+def test_choose_kind(kind, workers, gpus, cpu_replicas, expected):
+  assert S.choose_kind(kind, tf_config_workers=workers, num_gpus=gpus,
+                       cpu_replicas=cpu_replicas) == expected
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kind="bogus"), "Unknown strategy 'bogus'"),
+    (dict(all_reduce="butterfly"), "Unknown all_reduce 'butterfly'"),
+    (dict(all_reduce="nccl"), "needs GPUs and none is visible"),
+    (dict(kind="multi_worker"), "needs TF_CONFIG"),
+    (dict(kind="mirrored", tf_config_workers=2), "describes 2 workers but strategy 'mirrored'"),
+    (dict(kind="one_device", tf_config_workers=3), "describes 3 workers"),
+    (dict(kind="default", tf_config_workers=2), "describes 2 workers"),
+])
+def test_choose_kind_errors(kwargs, match):
+  args = dict(kind="auto", tf_config_workers=None, num_gpus=0)
+  args.update(kwargs)
+  kind = args.pop("kind")
+  with pytest.raises(errors.ConfigError, match=match):
+    S.choose_kind(kind, **args)
+
+
+def test_choose_kind_accepts_nccl_with_gpus():
+  assert S.choose_kind("auto", tf_config_workers=None, num_gpus=2,
+                       all_reduce="nccl") == "mirrored"
+
+
+def test_default_bytes_per_pack():
+  assert S.default_bytes_per_pack("ring", have_gpus=True) == 4 << 20
+  assert S.default_bytes_per_pack("auto", have_gpus=False) == 4 << 20
+  assert S.default_bytes_per_pack("auto", have_gpus=True) == 0
+  assert S.default_bytes_per_pack("nccl", have_gpus=True) == 0
+
+
+def test_peer_timeout_must_be_positive(monkeypatch):
+  monkeypatch.setenv("TF_CONFIG", _tf_config(1))
+  with pytest.raises(errors.ConfigError, match="peer_timeout_seconds must be positive"):
+    S.make_strategy("multi_worker", peer_timeout_seconds=0)
 
 
 WORKER = """

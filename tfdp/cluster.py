@@ -254,34 +254,50 @@ def resolve_cluster(cluster: str = "auto") -> tuple[Any, dict | None]:
   return resolver, {"cluster": spec, "task": {"type": task_type, "index": task_id}}
 
 
-def _from_environment() -> Worker:
-  """The worker the environment describes, for a process without a multi-worker strategy."""
+@dataclasses.dataclass(frozen=True)
+class _Described:
+  """What the environment says about this process."""
+
+  count: int
+  index: int
+  task: tuple[str, int] | None
+  address: str | None
+  where: str
+
+
+def _described() -> _Described:
+  """The job TF_CONFIG (first) or a SLURM job step describes; one worker when neither is set."""
   config = parse_tf_config()
   if config is not None:
-    count = num_cluster_workers(config)
     task_type, task_id = own_task(config)
-    if task_type not in TASK_TYPES:
-      raise errors.ConfigError(
-          f"TF_CONFIG says this process is the {task_type!r} task, which is not "
-          "a training worker: pass worker_index= and num_workers= explicitly.")
     cluster = config["cluster"]
-    index = worker_index(task_type, task_id, cluster)
-    where = "TF_CONFIG"
-    address = cluster[task_type][task_id]
-  elif in_slurm_step():
-    count = int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return _Described(num_cluster_workers(config),
+                      worker_index(task_type, task_id, cluster), (task_type, task_id),
+                      cluster[task_type][task_id], "TF_CONFIG")
+  if in_slurm_step():
     index = int(os.environ["SLURM_PROCID"])
-    task_type, task_id, address, where = "worker", index, None, "the SLURM job step"
-  else:
-    return Worker(0, 1)
-  if count > 1:
+    return _Described(int(os.environ["SLURM_STEP_NUM_TASKS"]), index,
+                      ("worker", index), None, "the SLURM job step")
+  return _Described(1, 0, None, None, "")
+
+
+def _from_environment() -> Worker:
+  """The worker the environment describes, for a process without a multi-worker strategy."""
+  described = _described()
+  if described.task and described.task[0] not in TASK_TYPES:
     raise errors.ConfigError(
-        f"{where} describes {count} workers (this is worker {index}) but no "
-        f"MultiWorkerMirroredStrategy was found: {_FIX}, so that every worker "
-        "knows its place in the job (without it each worker would act as the "
-        "only one, and they would overwrite each other's checkpoints). Or pass "
-        "worker_index= and num_workers= explicitly.")
-  return Worker(0, 1, address, None, (task_type, task_id))
+        f"TF_CONFIG says this process is the {described.task[0]!r} task, which "
+        "is not a training worker: pass worker_index= and num_workers= "
+        "explicitly.")
+  if described.count > 1:
+    raise errors.ConfigError(
+        f"{described.where} describes {described.count} workers (this is "
+        f"worker {described.index}) but no MultiWorkerMirroredStrategy was "
+        f"found: {_FIX}, so that every worker knows its place in the job "
+        "(without it each worker would act as the only one, and they would "
+        "overwrite each other's checkpoints). Or pass worker_index= and "
+        "num_workers= explicitly.")
+  return Worker(0, 1, described.address, None, described.task)
 
 
 # -- Strategies ---------------------------------------------------------------
@@ -299,22 +315,28 @@ def is_multi_worker(strategy: Any) -> bool:
 
 
 def _from_strategy(strategy) -> Worker:
-  """The worker a MultiWorkerMirroredStrategy says this process is."""
-  resolver = strategy.cluster_resolver
-  task_type, task_id = resolver.task_type, resolver.task_id
-  count = strategy.extended._num_workers  # pylint: disable=protected-access
-  if count <= 1 or not task_type:
+  """The worker a MultiWorkerMirroredStrategy says this process is.
+
+  Reads what the strategy fixed at construction (its extended's cluster
+  spec and task), not its cluster resolver, which re-reads TF_CONFIG.
+  """
+  # pylint: disable=protected-access
+  extended = strategy.extended
+  count = getattr(extended, "_num_workers", 1)
+  spec = getattr(extended, "_cluster_spec", None)
+  task_type, task_id = getattr(extended, "_task_type", None), getattr(extended, "_task_id", None)
+  # pylint: enable=protected-access
+  if count <= 1 or not task_type or spec is None:
     return Worker(0, 1, None, strategy)
-  spec = resolver.cluster_spec()
-  cluster = spec.as_dict()
+  task_id = int(task_id)
   try:
     address = spec.task_address(task_type, task_id)
   except (ValueError, KeyError):
     address = None
-  peers = tuple((job, i) for job in TASK_TYPES if job in cluster
+  peers = tuple((job, i) for job in spec.jobs if job in TASK_TYPES
                 for i in range(spec.num_tasks(job)) if (job, i) != (task_type, task_id))
-  return Worker(worker_index(task_type, task_id, cluster), int(count), address,
-                strategy, (task_type, int(task_id)), peers)
+  return Worker(worker_index(task_type, task_id, spec.as_dict()), int(count), address,
+                strategy, (task_type, task_id), peers)
 
 
 def _unwrap(obj):
@@ -421,23 +443,14 @@ def resolve(strategy: Any = None, *, objects: Any = None,
     return _from_environment()
   worker = _from_strategy(found)
   if worker.count == 1:
-    environment = _count_in_environment()
-    if environment > 1:
+    described = _described()
+    if described.count > 1:
       raise errors.ConfigError(
-          f"The environment (TF_CONFIG or SLURM) describes {environment} "
-          "workers but the MultiWorkerMirroredStrategy found spans one: build "
+          f"{described.where} describes {described.count} workers but the "
+          "MultiWorkerMirroredStrategy found spans one: build "
           "it after TF_CONFIG is set (tfdp.make_strategy reads TF_CONFIG and "
           "SLURM), or pass worker_index= and num_workers= explicitly.")
   return worker
-
-
-def _count_in_environment() -> int:
-  config = parse_tf_config()
-  if config is not None:
-    return num_cluster_workers(config)
-  if in_slurm_step():
-    return int(os.environ["SLURM_STEP_NUM_TASKS"])
-  return 1
 
 
 def peers(strategy: Any) -> tuple[tuple[str, int], ...]:
@@ -453,13 +466,11 @@ def peers(strategy: Any) -> tuple[tuple[str, int], ...]:
 def agree(value: float, op: str = "max", strategy: Any = None) -> float:
   """One tiny all-reduce: the `op` of every worker's `value`, the same on every worker.
 
-  Each worker contributes `value` once (its replica 0; its other replicas
-  contribute the identity of `op`). Every worker must call it at the same
-  point of the program, as any collective. Values are exchanged as float64,
-  so integers up to 2**53 come back exact.
+  Each worker contributes `value` once, from its first local replica. Every
+  worker must call it at the same point of the program, as any collective.
 
   Args:
-    value: this worker's number.
+    value: this worker's number (integers up to 2**53 come back exact).
     op: `max`, `min` or `sum`.
     strategy: the multi-worker strategy; None: the one in scope.
 
@@ -476,17 +487,20 @@ def agree(value: float, op: str = "max", strategy: Any = None) -> float:
     strategy = tf.distribute.get_strategy()
   if not is_multi_worker(strategy):
     return float(value)
-  identity = {"max": -float("inf"), "min": float("inf"), "sum": 0.0}[op]
-  first = float(value)
+  workers = strategy.extended._num_workers  # pylint: disable=protected-access
+  local = len(strategy.extended.worker_devices)
+  own = float(value)
 
+  # An all-gather made of one SUM all-reduce: worker w's first replica puts
+  # its value in slot w, every other entry is 0, so each slot has exactly one
+  # non-zero addend and comes back exact. (Strategy.gather would retrace a
+  # tf.function on every call; SUM is the only exact reduction TF offers.)
   def value_fn(ctx):
-    own = first if ctx.replica_id_in_sync_group % _local_replicas(strategy) == 0 else identity
-    return tf.constant([own], tf.float64)
+    slots = [0.0] * workers
+    if ctx.replica_id_in_sync_group % local == 0:
+      slots[ctx.replica_id_in_sync_group // local] = own
+    return tf.constant(slots, tf.float64)
 
   values = strategy.experimental_distribute_values_from_function(value_fn)
-  gathered = strategy.gather(values, axis=0).numpy()
+  gathered = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
   return float({"max": gathered.max, "min": gathered.min, "sum": gathered.sum}[op]())
-
-
-def _local_replicas(strategy) -> int:
-  return len(strategy.extended.worker_devices)

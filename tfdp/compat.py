@@ -15,6 +15,8 @@ from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.layers import layer as keras_layer
 
+from tfdp import cluster
+
 # Versions every fix was written against and tested on (prefixes).
 TESTED_KERAS = "3.15."
 TESTED_TF = "2.21."
@@ -90,14 +92,6 @@ def _patch_attr(owner, attr, replacement, fix_name):
   return undo
 
 
-def _is_multi_worker(strategy):
-  """Whether `strategy` is a MultiWorkerMirroredStrategy spanning >1 worker."""
-  return (
-      isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-      and strategy.extended._in_multi_worker_mode()  # pylint: disable=protected-access
-  )
-
-
 def _is_multi_replica(strategy):
   """Whether `strategy` mirrors variables over more than one replica."""
   return (
@@ -135,7 +129,7 @@ def _install_symbolic_build_batch():
   @functools.wraps(original)
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     strategy = self._distribute_strategy  # pylint: disable=protected-access
-    if iterator is None or not _is_multi_worker(strategy):
+    if iterator is None or not cluster.is_multi_worker(strategy):
       return original(self, iterator=iterator, data_batch=data_batch)
     for _, _, it in iterator:
       data_batch = tree.map_structure(
@@ -181,7 +175,7 @@ def _install_reduce_mean_axis():
     if resolved == "auto" and not isinstance(strategy,
                                              tf.distribute.TPUStrategy):
       resolved = "mean"
-    if resolved != "mean" or not _is_multi_worker(strategy):
+    if resolved != "mean" or not cluster.is_multi_worker(strategy):
       return original(values, strategy, reduction)
     return tree.map_structure(
         lambda v: strategy.reduce("MEAN", v, axis=None), values)
@@ -226,7 +220,7 @@ def _install_steps_per_execution_inline():
   @functools.wraps(original)
   def _make_function(self, step_function):
     if (self.steps_per_execution <= 1 or self.run_eagerly or self.jit_compile
-        or not _is_multi_worker(self.distribute_strategy)):
+        or not cluster.is_multi_worker(self.distribute_strategy)):
       return original(self, step_function)
     return _inline_multi_step_function(self, step_function)
 
@@ -378,7 +372,7 @@ def _install_non_trainable_mean_aggregation():
 # ---------------------------------------------------------------------------
 
 
-def disabled_fixes():
+def disabled_fixes() -> frozenset[str]:
   """Returns the names of the fixes `TFDP_COMPAT_DISABLE` turns off.
 
   Raises:
@@ -400,12 +394,12 @@ def disabled_fixes():
   return frozenset(names)
 
 
-def fixes():
+def fixes() -> dict[str, Fix]:
   """Returns the registered fixes by name."""
   return dict(_REGISTRY)
 
 
-def applied():
+def applied() -> frozenset[str]:
   """Returns the names of the fixes currently installed."""
   return frozenset(_applied)
 
@@ -415,7 +409,7 @@ def _versions_tested():
           and tf.__version__.startswith(TESTED_TF))
 
 
-def apply():
+def apply() -> frozenset[str]:
   """Installs every registered fix not disabled by `TFDP_COMPAT_DISABLE`.
 
   Idempotent. On the tested versions (Keras 3.15.x, TensorFlow 2.21.x) every
@@ -455,7 +449,7 @@ def apply():
     return frozenset(_applied)
 
 
-def revert():
+def revert() -> None:
   """Removes every installed fix, restoring upstream behaviour."""
   with _lock:
     for name in reversed(list(_applied)):

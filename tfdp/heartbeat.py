@@ -1,15 +1,19 @@
 """Liveness: per-batch heartbeats for tfdp-launch, and a prompt exit that names a lost peer."""
 
+from __future__ import annotations
+
 import atexit
-import json
 import os
 import re
 import sys
 import threading
 import time
+from typing import Any, Iterable
 
 from absl import logging
 import keras
+
+from tfdp import cluster
 
 # The file a worker's heartbeats go to; tfdp-launch sets it for every worker.
 ENV_HEARTBEAT_FILE = "TFDP_HEARTBEAT_FILE"
@@ -37,7 +41,7 @@ PEER_LOSS_BOUND_SECONDS = 30.0
 _TASK = re.compile(r"/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
 
 
-def beat(path, step):
+def beat(path: str, step: int) -> None:
   """Writes `step` and the time to the heartbeat file `path` (its mtime is the beat)."""
   with open(path, "w", encoding="utf-8") as f:
     f.write(f"{step} {time.time():.3f}\n")
@@ -57,7 +61,8 @@ class Heartbeat(keras.callbacks.Callback):
       no more than a few writes a second.
   """
 
-  def __init__(self, path=None, min_interval=0.25, watch_peers=True):
+  def __init__(self, path: str | None = None, min_interval: float = 0.25,
+               watch_peers: bool = True):
     super().__init__()
     self.path = path or os.environ.get(ENV_HEARTBEAT_FILE) or None
     self.min_interval = min_interval
@@ -117,26 +122,22 @@ class PeerWatchdog:
   every peer is expected to be alive (tfdp's Heartbeat: during `fit`).
   """
 
-  def __init__(self, peers, *, interval=PEER_CHECK_INTERVAL,
-               timeout=PEER_CHECK_TIMEOUT, attempts=PEER_CHECK_ATTEMPTS):
+  def __init__(self, peers: Iterable[tuple[str, int]], *,
+               interval: float = PEER_CHECK_INTERVAL,
+               timeout: float = PEER_CHECK_TIMEOUT,
+               attempts: int = PEER_CHECK_ATTEMPTS):
     self.peers = list(peers)
     self.interval, self.timeout, self.attempts = interval, timeout, attempts
     self._stop = threading.Event()
     self._thread = None
 
   @classmethod
-  def for_strategy(cls, strategy, **kw):
+  def for_strategy(cls, strategy: Any, **kw) -> PeerWatchdog | None:
     """A watchdog of the other tasks of a multi-worker `strategy`, or None."""
-    extended = getattr(strategy, "extended", None)
-    spec = getattr(extended, "_cluster_spec", None)
-    if spec is None or getattr(extended, "_num_workers", 1) < 2:
-      return None
-    own = (extended._task_type, extended._task_id)  # pylint: disable=protected-access
-    peers = [(job, i) for job in spec.jobs for i in range(spec.num_tasks(job))
-             if (job, i) != own and job in ("chief", "worker")]
-    return cls(peers, **kw)
+    peers = cluster.peers(strategy)
+    return cls(peers, **kw) if peers else None
 
-  def start(self):
+  def start(self) -> None:
     # Peers that finish (or save after a preemption) exit at slightly
     # different times; a process on its way out watches no more.
     atexit.register(self.stop)
@@ -144,7 +145,7 @@ class PeerWatchdog:
                                     daemon=True)
     self._thread.start()
 
-  def stop(self):
+  def stop(self) -> None:
     self._stop.set()
     atexit.unregister(self.stop)
 
@@ -177,12 +178,7 @@ class PeerWatchdog:
             break
 
 
-def _own_task(tf_config):
-  task = (tf_config or {}).get("task") or {}
-  return task.get("type"), task.get("index")
-
-
-def lost_peers(message, tf_config=None):
+def lost_peers(message: str, tf_config: dict | None = None) -> list[str]:
   """The peers an error message of TensorFlow names, as 'worker 1 (host:port)' strings.
 
   Args:
@@ -191,18 +187,15 @@ def lost_peers(message, tf_config=None):
       left out and addresses are added.
   """
   if tf_config is None:
-    try:
-      tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-    except ValueError:
-      tf_config = {}
-  own = _own_task(tf_config)
-  cluster = tf_config.get("cluster") or {}
+    tf_config = cluster.tf_config_or_empty()
+  own = cluster.own_task(tf_config)
+  jobs = tf_config.get("cluster") or {}
   peers = []
   for job, index in _TASK.findall(message or ""):
     index = int(index)
     if (job, index) == own:
       continue
-    addresses = cluster.get(job) or []
+    addresses = jobs.get(job) or []
     name = f"{job} {index}"
     if index < len(addresses):
       name += f" ({addresses[index]})"
@@ -211,7 +204,7 @@ def lost_peers(message, tf_config=None):
   return peers
 
 
-def is_peer_loss(error):
+def is_peer_loss(error: BaseException) -> bool:
   """True for the errors TensorFlow raises when a peer of a collective is gone or hung."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if not isinstance(error, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
@@ -224,24 +217,20 @@ def is_peer_loss(error):
 
 def _leader(tf_config):
   """The coordination service's leader: the chief, else worker 0."""
-  cluster = (tf_config or {}).get("cluster") or {}
-  job = "chief" if cluster.get("chief") else "worker"
-  if _own_task(tf_config) == (job, 0):
+  job, index = cluster.chief_task(tf_config)
+  if cluster.own_task(tf_config) == (job, index):
     return None
-  addresses = cluster.get(job) or []
-  return f"{job} 0" + (f" ({addresses[0]})" if addresses else "")
+  addresses = ((tf_config or {}).get("cluster") or {}).get(job) or []
+  return f"{job} {index}" + (f" ({addresses[index]})" if len(addresses) > index else "")
 
 
-def describe_peer_loss(error, context=None):
+def describe_peer_loss(error: Any, context: str | None = None) -> str:
   """One line for the log: which peer was lost and what TensorFlow said."""
   text = " ".join(str(getattr(error, "message", error)).split())
   peers = lost_peers(context or text) or lost_peers(text)
   if not peers and "CoordinationService" in text:
     # This worker's heartbeats to the coordination service go unanswered.
-    try:
-      leader = _leader(json.loads(os.environ.get("TF_CONFIG") or "{}"))
-    except ValueError:
-      leader = None
+    leader = _leader(cluster.tf_config_or_empty())
     peers = [f"{leader}, the coordination service leader"] if leader else []
   who = ", ".join(peers) if peers else "an unnamed peer"
   # The cause, without the graph's Python traceback TF puts before it.
@@ -255,7 +244,7 @@ def describe_peer_loss(error, context=None):
   return f"lost peer {who}: {detail}"
 
 
-def exit_peer_lost(error, context=None):
+def exit_peer_lost(error: Any, context: str | None = None) -> None:
   """Logs which peer was lost and ends the process at once with EXIT_PEER_LOST.
 
   `os._exit` skips interpreter teardown, where TensorFlow's coordination

@@ -1,14 +1,18 @@
 """Preemption: on SIGTERM/SIGINT to any worker, all workers agree on a step, save and exit."""
 
+from __future__ import annotations
+
 import os
 import signal
 import socket
 import threading
 import time
+from typing import Any, Callable, Iterable
 
 from absl import logging
 import keras
-import tensorflow as tf
+
+from tfdp import cluster
 
 # Exit code of a worker that was preempted and saved a checkpoint at the step
 # all workers agreed on: relaunch the same command to resume exactly. It is
@@ -40,12 +44,12 @@ class Preempted(SystemExit):
     checkpoint: the checkpoint's prefix (None if nothing was saved).
   """
 
-  def __init__(self, step, checkpoint=None):
+  def __init__(self, step: int, checkpoint: str | None = None):
     super().__init__(EXIT_PREEMPTED)
     self.step = step
     self.checkpoint = checkpoint
 
-  def __str__(self):
+  def __str__(self) -> str:
     return f"preempted at step {self.step}; checkpoint: {self.checkpoint}"
 
 
@@ -69,7 +73,8 @@ class SignalHandler:
     signals: the signals that request preemption.
   """
 
-  def __init__(self, grace_seconds=DEFAULT_GRACE_SECONDS, signals=SIGNALS):
+  def __init__(self, grace_seconds: float | None = DEFAULT_GRACE_SECONDS,
+               signals: Iterable[int] = SIGNALS):
     self.grace_seconds = grace_seconds
     self.signals = tuple(signals)
     self.signum = None
@@ -81,11 +86,11 @@ class SignalHandler:
     self._thread = None
 
   @property
-  def requested(self):
+  def requested(self) -> bool:
     """True once any of the signals arrived."""
     return self.signum is not None
 
-  def install(self):
+  def install(self) -> "SignalHandler":
     """Installs the handlers and the watchdog; returns self."""
     if self._previous:
       return self
@@ -105,7 +110,7 @@ class SignalHandler:
     self._thread.start()
     return self
 
-  def uninstall(self):
+  def uninstall(self) -> None:
     """Restores the previous handlers; the watchdog stops."""
     if not self._previous:
       return
@@ -117,7 +122,7 @@ class SignalHandler:
     for s in self._sockets:
       s.close()
 
-  def finished(self):
+  def finished(self) -> None:
     """Says the preemption checkpoint is committed: the watchdog stands down."""
     self._done.set()
 
@@ -162,23 +167,14 @@ class SignalHandler:
       os._exit(EXIT_GRACE_EXPIRED)  # pylint: disable=protected-access
 
 
-def _multi_worker(strategy):
-  return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-          and getattr(strategy.extended, "_num_workers", 1) > 1)
-
-
-def any_worker(strategy, flag):
+def any_worker(strategy: Any, flag: bool) -> bool:
   """True on every worker if `flag` is True on any worker.
 
-  Under a multi-worker strategy this is one tiny all-reduce, so every worker
-  must call it at the same point (the same step); elsewhere it is `flag`.
+  Under a multi-worker strategy this is one tiny all-reduce
+  (`tfdp.cluster.agree`), so every worker must call it at the same point
+  (the same step); elsewhere it is `flag`.
   """
-  if not _multi_worker(strategy):
-    return bool(flag)
-  value = 1.0 if flag else 0.0
-  values = strategy.experimental_distribute_values_from_function(
-      lambda _: tf.constant(value, tf.float32))
-  return float(strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None)) > 0
+  return cluster.agree(1.0 if flag else 0.0, "max", strategy) > 0
 
 
 class PreemptionCallback(keras.callbacks.Callback):
@@ -197,11 +193,13 @@ class PreemptionCallback(keras.callbacks.Callback):
       of `fit`.
     grace_seconds: grace period of the default handler.
     check_every_steps: agree every this many steps (each agreement is one
-      all-reduce of 4 bytes per replica).
+      all-gather of 8 bytes per replica).
   """
 
-  def __init__(self, save_fn, *, handler=None,
-               grace_seconds=DEFAULT_GRACE_SECONDS, check_every_steps=1):
+  def __init__(self, save_fn: Callable[[int], str | None], *,
+               handler: SignalHandler | None = None,
+               grace_seconds: float | None = DEFAULT_GRACE_SECONDS,
+               check_every_steps: int = 1):
     super().__init__()
     if check_every_steps < 1:
       raise ValueError(f"check_every_steps must be >= 1, got {check_every_steps}.")

@@ -1,19 +1,24 @@
-"""Strategy factory: cluster resolution (TF_CONFIG, SLURM), all-reduce choice, logical CPU replicas."""
+"""Strategy factory: a pure choice of kind, one builder per kind, the all-reduce choice, logical CPU replicas."""
 
-import json
-import os
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 from absl import logging
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import distribute_lib
 
+from tfdp import cluster as cluster_lib
 from tfdp import errors
+# Cluster resolution lives in tfdp.cluster; tests/test_fault_tolerance.py
+# still reads these two from here.
+from tfdp.cluster import num_cluster_workers
+from tfdp.cluster import resolve_cluster
 
 KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "ring")
-CLUSTERS = ("auto", "tf_config", "slurm")
-_TASK_TYPES = ("worker", "chief")
 
 # A worker that misses heartbeats to TensorFlow's coordination service for
 # this long counts as lost: every other worker's collectives are aborted with
@@ -22,166 +27,74 @@ _TASK_TYPES = ("worker", "chief")
 # does not move with TF releases.
 DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
 
-# Gradient pack size of ring (gRPC) collective all-reduce when none is given.
-# scripts/bench_train.py --parts=allreduce, 2 workers on localhost, 2026-11-29
-# (README, Performance): 4 MB packs were 1.2-1.8x faster than one pack for
-# 64-256 MB of gradients in 3 of 5 runs, equal in the other 2, never slower;
-# one pack concatenates everything and cannot pipeline reduction and transfer.
-# NCCL keeps TF's single pack (0): it is most efficient with large messages,
-# and no GPU measurement says otherwise yet.
+# Gradient pack size of ring (gRPC) collective all-reduce when none is given:
+# several packs let reduction and transfer overlap, one pack cannot (the
+# measurements are in the README's Performance section). NCCL keeps TF's
+# single pack (0): it is most efficient with large messages.
 DEFAULT_RING_BYTES_PER_PACK = 4 << 20
 
-# First port of the SLURM workers on each node (TFDP_PORT overrides it).
-DEFAULT_SLURM_PORT = 8888
+
+# -- Choosing the kind (pure) -------------------------------------------------
 
 
-def parse_tf_config(raw=None):
-  """Parses and checks a TF_CONFIG string.
+def choose_kind(kind: str, *, tf_config_workers: int | None, num_gpus: int,
+                cpu_replicas: int | None = None, all_reduce: str = "auto") -> str:
+  """The kind of strategy `make_strategy` builds; no TensorFlow calls.
 
   Args:
-    raw: the TF_CONFIG JSON; None reads the environment variable.
+    kind: the kind asked for (see `make_strategy`).
+    tf_config_workers: number of workers the cluster (TF_CONFIG or SLURM)
+      describes; None when there is no cluster.
+    num_gpus: GPUs visible to this process.
+    cpu_replicas: the logical CPU replicas asked for, or None.
+    all_reduce: the all-reduce method asked for.
 
   Returns:
-    The parsed dict, or None when TF_CONFIG is unset or empty.
+    One of `mirrored`, `multi_worker`, `one_device`, `default`.
 
   Raises:
-    ConfigError: the JSON is malformed or inconsistent (unknown task type,
-      index out of range, addresses that are not `host:port`, duplicates).
+    ConfigError: unknown kind or all-reduce, NCCL without GPUs, multi_worker
+      without a cluster, or a single-host kind in a cluster of 2+ workers.
   """
-  if raw is None:
-    raw = os.environ.get("TF_CONFIG", "")
-  if not raw.strip():
-    return None
-  fix = ("Set TF_CONFIG to JSON like "
-         '{"cluster": {"worker": ["host1:port", "host2:port"]}, '
-         '"task": {"type": "worker", "index": 0}}, or unset it for one host.')
-  try:
-    config = json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise errors.ConfigError(f"TF_CONFIG is not valid JSON ({e}). {fix}") from e
-  if not isinstance(config, dict):
-    raise errors.ConfigError(f"TF_CONFIG must be a JSON object. {fix}")
-  cluster = config.get("cluster")
-  if not isinstance(cluster, dict) or not cluster:
-    raise errors.ConfigError(f"TF_CONFIG has no `cluster` object. {fix}")
-  seen = set()
-  for job, addresses in cluster.items():
-    if job not in _TASK_TYPES + ("ps", "evaluator"):
-      raise errors.ConfigError(
-          f"TF_CONFIG cluster has an unknown job {job!r}; tfdp runs "
-          f"data-parallel jobs of `worker` (and optionally one `chief`). {fix}")
-    if job in ("ps",):
-      raise errors.ConfigError(
-          "TF_CONFIG names parameter servers (`ps`); tfdp runs synchronous "
-          "all-reduce data parallelism, which has no parameter servers. "
-          "Remove the `ps` job.")
-    if not isinstance(addresses, list) or not addresses:
-      raise errors.ConfigError(
-          f"TF_CONFIG cluster job {job!r} must be a non-empty list of "
-          f"'host:port' strings. {fix}")
-    for address in addresses:
-      host, _, port = str(address).rpartition(":")
-      if not host or not port.isdigit():
-        raise errors.ConfigError(
-            f"TF_CONFIG address {address!r} of job {job!r} is not 'host:port'.")
-      if address in seen:
-        raise errors.ConfigError(
-            f"TF_CONFIG lists address {address!r} twice; every task needs its "
-            "own port.")
-      seen.add(address)
-  if len(cluster.get("chief", [])) > 1:
-    raise errors.ConfigError("TF_CONFIG may name at most one `chief`.")
-  task = config.get("task")
-  if not isinstance(task, dict):
-    raise errors.ConfigError(f"TF_CONFIG has no `task` object. {fix}")
-  task_type, index = task.get("type"), task.get("index")
-  if task_type not in cluster:
+  if kind not in KINDS:
+    raise errors.ConfigError(f"Unknown strategy {kind!r}; choose one of {', '.join(KINDS)}.")
+  if all_reduce not in ALL_REDUCE:
     raise errors.ConfigError(
-        f"TF_CONFIG task type {task_type!r} is not a job of the cluster "
-        f"({sorted(cluster)}).")
-  if not isinstance(index, int) or isinstance(index, bool):
+        f"Unknown all_reduce {all_reduce!r}; choose one of {', '.join(ALL_REDUCE)}.")
+  if all_reduce == "nccl" and not num_gpus:
     raise errors.ConfigError(
-        f"TF_CONFIG task index must be an integer, got {index!r}.")
-  if not 0 <= index < len(cluster[task_type]):
+        "all_reduce='nccl' needs GPUs and none is visible; use all_reduce="
+        "'ring' (across workers) or 'reduce_to_one' (between CPU replicas), or "
+        "'auto'.")
+  workers = tf_config_workers or 1
+  if kind == "auto":
+    if workers > 1:
+      kind = "multi_worker"
+    elif num_gpus > 1 or (not num_gpus and (cpu_replicas or 1) > 1):
+      kind = "mirrored"
+    elif num_gpus == 1:
+      kind = "one_device"
+    else:
+      kind = "default"
+  if kind == "multi_worker" and tf_config_workers is None:
     raise errors.ConfigError(
-        f"TF_CONFIG task index {index} is out of range: job {task_type!r} has "
-        f"{len(cluster[task_type])} task(s), so the index must be in "
-        f"[0, {len(cluster[task_type]) - 1}].")
-  return config
-
-
-def _in_slurm_step():
-  return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
-
-
-def slurm_resolver(port_base=None):
-  """A `SlurmClusterResolver` for this SLURM job step: one worker per task.
-
-  Run one task per node (`srun --ntasks-per-node=1`); the task uses every
-  GPU of its node. Worker i listens on `port_base + (its rank on the node)`.
-
-  Args:
-    port_base: first port on each node (default $TFDP_PORT or 8888).
-
-  Raises:
-    ConfigError: not inside a SLURM job step, or SLURM's variables are
-      inconsistent.
-  """
-  if not _in_slurm_step():
+        "strategy 'multi_worker' needs TF_CONFIG describing the cluster; start "
+        "the workers with `tfdp-launch --num_workers=N -- COMMAND`, set "
+        "TF_CONFIG on each host, or run them as a SLURM job step (`srun`).")
+  if kind != "multi_worker" and workers > 1:
     raise errors.ConfigError(
-        "cluster='slurm' needs a SLURM job step (SLURM_PROCID and "
-        "SLURM_STEP_NUM_TASKS are unset): start the workers with `srun`.")
-  if port_base is None:
-    port_base = int(os.environ.get("TFDP_PORT", DEFAULT_SLURM_PORT))
-  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
-  # pylint: enable=g-import-not-at-top
-  try:
-    gpus = len(_gpus())
-    if not gpus:
-      # The resolver hands out GPUs per task and lists one task per GPU; on
-      # CPU hosts give it one placeholder per task (auto_set_gpu is off, so
-      # no CUDA_VISIBLE_DEVICES is set from them).
-      tasks = max(slurm_cluster_resolver.expand_tasks_per_node(
-          os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1")))
-      return tf.distribute.cluster_resolver.SlurmClusterResolver(
-          port_base=port_base, gpus_per_node=tasks, gpus_per_task=1,
-          auto_set_gpu=False)
-    return tf.distribute.cluster_resolver.SlurmClusterResolver(
-        port_base=port_base, gpus_per_node=gpus, auto_set_gpu=False)
-  except (RuntimeError, ValueError) as e:
-    raise errors.ConfigError(f"Cannot resolve the SLURM cluster: {e}") from e
+        f"TF_CONFIG describes {workers} workers but strategy {kind!r} trains on "
+        "one host; use --strategy=multi_worker (or auto), or unset TF_CONFIG.")
+  return kind
 
 
-def resolve_cluster(cluster="auto"):
-  """Finds the cluster this process belongs to.
+def default_bytes_per_pack(all_reduce: str, have_gpus: bool) -> int:
+  """The pack size `make_strategy` uses when given none: 4 MB for ring, 0 for NCCL."""
+  ring = all_reduce == "ring" or not have_gpus
+  return DEFAULT_RING_BYTES_PER_PACK if ring else 0
 
-  Args:
-    cluster: `tf_config` (the TF_CONFIG variable), `slurm` (SLURM's job step
-      variables, through `SlurmClusterResolver`), or `auto`: TF_CONFIG when
-      set, else SLURM when inside a step of 2+ tasks, else no cluster.
 
-  Returns:
-    (resolver, config): `resolver` is a cluster resolver for the strategy,
-    or None to let TF read TF_CONFIG; `config` is a TF_CONFIG-like dict
-    `{"cluster": ..., "task": ...}`, or None for one host.
-
-  Raises:
-    ConfigError: unknown `cluster`, a bad TF_CONFIG, or no SLURM step.
-  """
-  if cluster not in CLUSTERS:
-    raise errors.ConfigError(
-        f"Unknown cluster {cluster!r}; choose one of {', '.join(CLUSTERS)}.")
-  config = parse_tf_config() if cluster in ("auto", "tf_config") else None
-  if cluster == "tf_config" or config is not None:
-    return None, config
-  if cluster == "auto" and (not _in_slurm_step() or
-                            int(os.environ["SLURM_STEP_NUM_TASKS"]) < 2):
-    return None, None
-  resolver = slurm_resolver()
-  spec = resolver.cluster_spec().as_dict()
-  task_type, task_id = resolver.get_task_info()
-  return resolver, {"cluster": spec, "task": {"type": task_type, "index": task_id}}
+# -- Pieces the builders share ------------------------------------------------
 
 
 def _configure_peer_timeout(config, peer_timeout_seconds):
@@ -194,7 +107,7 @@ def _configure_peer_timeout(config, peer_timeout_seconds):
   if context.context().coordination_service is not None:
     return
   spec = tf.train.ClusterSpec(config["cluster"])
-  if config["task"]["type"] not in _TASK_TYPES:
+  if config["task"]["type"] not in cluster_lib.TASK_TYPES:
     return
   jobs = [coordination_config_pb2.CoordinatedJob(name=j, num_tasks=spec.num_tasks(j))
           for j in ("chief", "worker") if j in spec.jobs]
@@ -205,15 +118,7 @@ def _configure_peer_timeout(config, peer_timeout_seconds):
       heartbeat_timeout_in_ms=int(peer_timeout_seconds * 1000))
 
 
-def num_cluster_workers(config):
-  """Number of training tasks (chief + workers) in a parsed TF_CONFIG."""
-  if not config:
-    return 1
-  cluster = config["cluster"]
-  return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
-
-
-def configure_cpu_replicas(n):
+def configure_cpu_replicas(n: int | None) -> None:
   """Splits the host CPU into `n` logical devices (before TF initialises them).
 
   Raises:
@@ -240,9 +145,16 @@ def configure_cpu_replicas(n):
         "any tensor, model or dataset.") from e
 
 
-def communication_options(implementation="auto", *, timeout_seconds=None,
-                          bytes_per_pack=0):
-  """`tf.distribute.experimental.CommunicationOptions` for collective all-reduce."""
+def communication_options(implementation: str = "auto", *,
+                          timeout_seconds: float | None = None,
+                          bytes_per_pack: int = 0
+                          ) -> tf.distribute.experimental.CommunicationOptions:
+  """`tf.distribute.experimental.CommunicationOptions` for collective all-reduce.
+
+  Raises:
+    ConfigError: a single-host method, a negative pack size or a timeout
+      that is not positive.
+  """
   impls = tf.distribute.experimental.CommunicationImplementation
   mapping = {"auto": impls.AUTO, "ring": impls.RING, "nccl": impls.NCCL}
   if implementation not in mapping:
@@ -296,10 +208,6 @@ class _MultiWorkerCpuReplicasStrategy(tf.distribute.MultiWorkerMirroredStrategy)
             cpu_replicas=cpu_replicas))
 
 
-def _gpus():
-  return tf.config.list_physical_devices("GPU")
-
-
 # Collective group keys of single-host ring all-reduce, unique per strategy in
 # this process: TF caches collective instances by (group, instance) key, so two
 # strategies starting from the same key clash ("Shape mismatch in the collective
@@ -328,15 +236,74 @@ def _mirrored_cross_device_ops(all_reduce, devices, options):
   return tf.distribute.ReductionToOneDevice()
 
 
-def default_bytes_per_pack(all_reduce, have_gpus):
-  """The pack size `make_strategy` uses when given none: 4 MB for ring, 0 for NCCL."""
-  ring = all_reduce == "ring" or not have_gpus
-  return DEFAULT_RING_BYTES_PER_PACK if ring else 0
+def _gpus():
+  return tf.config.list_physical_devices("GPU")
 
 
-def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
-                  timeout_seconds=None, bytes_per_pack=None, cluster="auto",
-                  peer_timeout_seconds=DEFAULT_PEER_TIMEOUT_SECONDS):
+@dataclasses.dataclass(frozen=True)
+class _Request:
+  """What every builder may need: the arguments of `make_strategy`, checked, and the cluster."""
+
+  num_gpus: int
+  cpu_replicas: int | None
+  all_reduce: str
+  timeout_seconds: float | None
+  bytes_per_pack: int
+  peer_timeout_seconds: float | None
+  resolver: Any
+  config: dict | None
+
+
+# -- One builder per kind -----------------------------------------------------
+
+
+def _build_multi_worker(r: _Request) -> tf.distribute.Strategy:
+  options = communication_options(
+      r.all_reduce, timeout_seconds=r.timeout_seconds,
+      bytes_per_pack=r.bytes_per_pack)
+  if r.peer_timeout_seconds is not None and r.peer_timeout_seconds <= 0:
+    raise errors.ConfigError(
+        f"peer_timeout_seconds must be positive, got {r.peer_timeout_seconds!r}.")
+  if r.peer_timeout_seconds:
+    _configure_peer_timeout(r.config, r.peer_timeout_seconds)
+  if not r.num_gpus and (r.cpu_replicas or 1) > 1:
+    return _MultiWorkerCpuReplicasStrategy(r.cpu_replicas, options, r.resolver)
+  return tf.distribute.MultiWorkerMirroredStrategy(
+      cluster_resolver=r.resolver, communication_options=options)
+
+
+def _build_mirrored(r: _Request) -> tf.distribute.Strategy:
+  devices = ([f"/gpu:{i}" for i in range(r.num_gpus)] if r.num_gpus else
+             [d.name for d in tf.config.list_logical_devices("CPU")])
+  options = communication_options(
+      "ring" if r.all_reduce == "ring" else "auto",
+      timeout_seconds=r.timeout_seconds, bytes_per_pack=r.bytes_per_pack)
+  return tf.distribute.MirroredStrategy(
+      devices=devices,
+      cross_device_ops=_mirrored_cross_device_ops(r.all_reduce, devices, options))
+
+
+def _build_one_device(r: _Request) -> tf.distribute.Strategy:
+  return tf.distribute.OneDeviceStrategy("/gpu:0" if r.num_gpus else "/cpu:0")
+
+
+def _build_default(r: _Request) -> tf.distribute.Strategy:  # pylint: disable=unused-argument
+  return tf.distribute.get_strategy()
+
+
+_BUILDERS = {
+    "multi_worker": _build_multi_worker,
+    "mirrored": _build_mirrored,
+    "one_device": _build_one_device,
+    "default": _build_default,
+}
+
+
+def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
+                  all_reduce: str = "auto", timeout_seconds: float | None = None,
+                  bytes_per_pack: int | None = None, cluster: str = "auto",
+                  peer_timeout_seconds: float | None = DEFAULT_PEER_TIMEOUT_SECONDS
+                  ) -> tf.distribute.Strategy:
   """Creates the `tf.distribute.Strategy` for this process.
 
   Call it first, before any other TensorFlow work: logical CPU devices and
@@ -356,7 +323,7 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
       all-reduce; 0: one pack; None: 4 MB for ring (gRPC) collectives, one
       pack for NCCL (`default_bytes_per_pack`).
     cluster: where the cluster comes from: `auto`, `tf_config` or `slurm`
-      (see `resolve_cluster`).
+      (see `tfdp.cluster.resolve_cluster`).
     peer_timeout_seconds: multi_worker: a peer that sends no heartbeat to
       the coordination service for this long is lost, and the collectives
       of every other worker fail with an error naming it.
@@ -368,92 +335,35 @@ def make_strategy(kind="auto", *, cpu_replicas=None, all_reduce="auto",
     ConfigError: unknown kind, cluster or all-reduce, NCCL without GPUs, bad
       TF_CONFIG or SLURM step, cpu_replicas too late or invalid.
   """
-  if kind not in KINDS:
-    raise errors.ConfigError(f"Unknown strategy {kind!r}; choose one of {', '.join(KINDS)}.")
-  if all_reduce not in ALL_REDUCE:
-    raise errors.ConfigError(
-        f"Unknown all_reduce {all_reduce!r}; choose one of {', '.join(ALL_REDUCE)}.")
-  gpus = _gpus()
-  if all_reduce == "nccl" and not gpus:
-    raise errors.ConfigError(
-        "all_reduce='nccl' needs GPUs and none is visible; use all_reduce="
-        "'ring' (across workers) or 'reduce_to_one' (between CPU replicas), or "
-        "'auto'.")
+  num_gpus = len(_gpus())
   resolver, config = resolve_cluster(cluster)
-  workers = num_cluster_workers(config)
-  if kind == "auto":
-    if workers > 1:
-      kind = "multi_worker"
-    elif len(gpus) > 1 or (not gpus and (cpu_replicas or 1) > 1):
-      kind = "mirrored"
-    elif len(gpus) == 1:
-      kind = "one_device"
-    else:
-      kind = "default"
-  if kind == "multi_worker" and config is None:
-    raise errors.ConfigError(
-        "strategy 'multi_worker' needs TF_CONFIG describing the cluster; start "
-        "the workers with `tfdp-launch --num_workers=N -- COMMAND`, set "
-        "TF_CONFIG on each host, or run them as a SLURM job step (`srun`).")
-  if kind != "multi_worker" and workers > 1:
-    raise errors.ConfigError(
-        f"TF_CONFIG describes {workers} workers but strategy {kind!r} trains on "
-        "one host; use --strategy=multi_worker (or auto), or unset TF_CONFIG.")
+  kind = choose_kind(
+      kind, tf_config_workers=None if config is None else num_cluster_workers(config),
+      num_gpus=num_gpus, cpu_replicas=cpu_replicas, all_reduce=all_reduce)
   if bytes_per_pack is None:
-    bytes_per_pack = default_bytes_per_pack(all_reduce, bool(gpus))
-  if not gpus:
+    bytes_per_pack = default_bytes_per_pack(all_reduce, bool(num_gpus))
+  if not num_gpus:
     configure_cpu_replicas(cpu_replicas)
   elif cpu_replicas:
     logging.warning("cpu_replicas=%d ignored: %d GPU(s) are used.", cpu_replicas,
-                    len(gpus))
-
-  if kind == "multi_worker":
-    options = communication_options(
-        "auto" if all_reduce == "auto" else all_reduce,
-        timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack)
-    if peer_timeout_seconds is not None and peer_timeout_seconds <= 0:
-      raise errors.ConfigError(
-          f"peer_timeout_seconds must be positive, got {peer_timeout_seconds!r}.")
-    if peer_timeout_seconds:
-      _configure_peer_timeout(config, peer_timeout_seconds)
-    if not gpus and (cpu_replicas or 1) > 1:
-      strategy = _MultiWorkerCpuReplicasStrategy(cpu_replicas, options, resolver)
-    else:
-      strategy = tf.distribute.MultiWorkerMirroredStrategy(
-          cluster_resolver=resolver, communication_options=options)
-  elif kind == "mirrored":
-    devices = ([f"/gpu:{i}" for i in range(len(gpus))] if gpus else
-               [d.name for d in tf.config.list_logical_devices("CPU")])
-    if all_reduce in ("nccl",) and not gpus:
-      raise errors.ConfigError("all_reduce='nccl' needs GPUs.")
-    options = communication_options(
-        "ring" if all_reduce == "ring" else "auto",
-        timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack)
-    strategy = tf.distribute.MirroredStrategy(
-        devices=devices,
-        cross_device_ops=_mirrored_cross_device_ops(all_reduce, devices, options))
-  elif kind == "one_device":
-    strategy = tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
-  else:
-    strategy = tf.distribute.get_strategy()
+                    num_gpus)
+  strategy = _BUILDERS[kind](_Request(
+      num_gpus=num_gpus, cpu_replicas=cpu_replicas, all_reduce=all_reduce,
+      timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack,
+      peer_timeout_seconds=peer_timeout_seconds, resolver=resolver,
+      config=config))
   logging.info("tfdp strategy: %s, %d replica(s) in sync, all_reduce=%s",
                type(strategy).__name__, strategy.num_replicas_in_sync, all_reduce)
   return strategy
 
 
-def worker_info(strategy=None):
-  """(worker index, number of workers) of this process under `strategy`.
+def worker_info(strategy: Any = None) -> tuple[int, int]:
+  """(worker index, number of workers) of this process: `tfdp.cluster.resolve`'s.
 
-  The index is the task's id in the cluster (a `chief` is 0, workers follow);
-  single-host strategies are worker 0 of 1.
+  Kept for the callers not switched to `tfdp.cluster.resolve` yet.
+
+  Raises:
+    ConfigError: see `tfdp.cluster.resolve`.
   """
-  extended = (strategy or tf.distribute.get_strategy()).extended
-  num_workers = getattr(extended, "_num_workers", 1)
-  if num_workers <= 1:
-    return 0, 1
-  return int(extended._id_in_cluster), num_workers  # pylint: disable=protected-access
-
-
-def is_chief(strategy=None):
-  """True on the one worker that writes logs and prints progress."""
-  return worker_info(strategy)[0] == 0
+  worker = cluster_lib.resolve(strategy)
+  return worker.index, worker.count

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 
+from tfdp import cluster
 from tfdp import compat
 
 # A worker stuck in a collective after its peer died must not hang the test.
@@ -172,7 +173,7 @@ def main(argv):
       communication_options=tf.distribute.experimental.CommunicationOptions(
           implementation=tf.distribute.experimental.CommunicationImplementation
           .RING))
-  task = strategy.cluster_resolver.task_id
+  task = cluster.resolve(strategy).index
   out = {}
   for part in parts:
     PARTS[part](strategy, out)
