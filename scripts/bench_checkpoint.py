@@ -76,7 +76,7 @@ def _worker():
     path = mgr.save()
     times.append(time.perf_counter() - t)
     man = manifest_lib.read_manifest(path)
-    written.append(sum(x["bytes_written"] for x in man["writers"].values()))
+    written.append(sum(x["bytes_written"] for x in man.writers.values()))
   t = time.perf_counter()
   mgr.wait_until_finished()
   deleting.append(time.perf_counter() - t)

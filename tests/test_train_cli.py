@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +91,59 @@ def test_bad_flags_give_a_clear_error(flags, message):
   assert proc.returncode == 2, out
   assert message in out
   assert "Traceback" not in out
+
+
+def _train(flags, **kw):
+  env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+  return subprocess.run(TRAIN + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        cwd=REPO, timeout=180, env=env, check=False, **kw)
+
+
+def _one_error_line(proc):
+  out = proc.stdout.decode()
+  assert proc.returncode == 2, out
+  assert "Traceback" not in out, out
+  errors_said = [line for line in out.splitlines() if "tfdp-train: error:" in line]
+  assert len(errors_said) == 1, out
+  message = errors_said[0].split("tfdp-train: error:", 1)[1].strip()
+  assert out.count(message[:60]) == 1, out  # said once, not also logged
+  return errors_said[0]
+
+
+def test_bad_paths_give_one_line_before_tensorflow_starts(tmp_path):
+  a_file = tmp_path / "file"
+  a_file.write_text("not a directory")
+  line = _one_error_line(_train(["--train_steps=1", f"--model_dir={a_file}"]))
+  assert "--model_dir" in line and "is a file" in line
+  line = _one_error_line(_train(["--train_steps=1", f"--data_dir={tmp_path / 'missing'}"]))
+  assert "--data_dir" in line and "not a directory" in line
+
+
+def test_a_second_job_on_a_busy_model_dir_is_refused_and_the_first_is_untouched(tmp_path):
+  model_dir = str(tmp_path / "model")
+  env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+  first = subprocess.Popen(TRAIN + SMALL + ["--train_steps=100000", "--checkpoint_every_steps=20",
+                                            f"--model_dir={model_dir}"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 180
+    while not tf.train.latest_checkpoint(model_dir):
+      assert first.poll() is None and time.monotonic() < deadline, first.stdout.read().decode()
+      time.sleep(0.2)
+    line = _one_error_line(_train(SMALL + ["--train_steps=100000", f"--model_dir={model_dir}"]))
+    assert f"pid {first.pid}" in line, line
+    assert first.poll() is None  # the first job trains on
+  finally:
+    first.send_signal(signal.SIGTERM)  # preempted: saves and exits 75
+    out = first.communicate(timeout=120)[0].decode()
+  assert first.returncode == 75, out[-3000:]
+  names = sorted(f[:-len(".index")] for f in os.listdir(model_dir) if f.endswith(".index"))
+  assert names
+  for name in names:
+    proc = subprocess.run([sys.executable, "-m", "tfdp.cli.ckpt", "verify",
+                           os.path.join(model_dir, name)], cwd=REPO, env=env, timeout=120,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    assert proc.returncode == 0, proc.stdout.decode()
 
 
 def test_bad_tf_config_gives_a_clear_error():

@@ -7,12 +7,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO, WORKERS
 from tests.test_resume import committed_steps
 
 SCRIPT = os.path.join(WORKERS, "keras_converted.py")
+LOOP = os.path.join(WORKERS, "custom_loop.py")
 
 
 def _children(pid):
@@ -30,24 +32,20 @@ def _children(pid):
   return kids
 
 
-def _launch(args, env=None):
+def _launch(args, env=None, script=SCRIPT):
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env.pop("TF_CONFIG", None)
   return subprocess.Popen(
-      [sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--", sys.executable, SCRIPT]
+      [sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--", sys.executable, script]
       + args, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-@pytest.mark.parametrize("save_freq,delete,double", [("epoch", "1", "1"), ("5", "0", "0")])
-def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, save_freq,
-                                                                    delete, double):
-  backup = str(tmp_path / "backup")
-  args = [backup, save_freq, delete, double]
-  proc = _launch(args, env={"TFDP_TEST_SLOW_FROM": "40"})
+def _kill_a_worker_after(proc, model_dir, step):
+  """SIGKILLs one worker of launcher `proc` once a checkpoint at `step` or later is committed."""
   deadline = time.monotonic() + 240
-  while not [s for s in committed_steps(backup) if s >= 40]:
+  while not [s for s in committed_steps(model_dir) if s >= step]:
     assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-    assert time.monotonic() < deadline, "no checkpoint past step 40"
+    assert time.monotonic() < deadline, f"no checkpoint at step {step} or later"
     time.sleep(0.1)
   workers = _children(proc.pid)
   assert len(workers) == 2, workers
@@ -55,15 +53,53 @@ def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, sa
   out = proc.communicate(timeout=120)[0].decode("utf-8", errors="replace")
   assert proc.returncode != 0, out[-3000:]
 
+
+@pytest.mark.parametrize("save_freq,delete,double", [("epoch", "1", "1"), ("5", "0", "0")])
+def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, save_freq,
+                                                                    delete, double):
+  backup = str(tmp_path / "backup")
+  args = [backup, save_freq, delete, double]
+  _kill_a_worker_after(_launch(args, env={"TFDP_TEST_SLOW_FROM": "40"}), backup, 40)
   proc = _launch(args)
   out = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
   assert proc.returncode == 0, out[-4000:]
   finals = re.findall(r"test_accuracy=([\d.]+) step=(\d+) restored_step=(\d+)", out)
   assert len(finals) == 2, out[-4000:]  # both workers finished and evaluated
-  assert {step for _, step, _ in finals} == {"128"}  # 8 epochs of 16 steps
+  restored = int(finals[0][2])
+  assert restored >= 40 and {r for _, _, r in finals} == {str(restored)}
+  # Under plain model.fit the epochs not completed are run whole (Keras's
+  # semantics): 8 epochs of 16 steps, the restored epoch from its first batch.
+  assert {step for _, step, _ in finals} == {str(restored + (8 - restored // 16) * 16)}
   assert all(float(acc) > 0.8 for acc, _, _ in finals), finals
-  assert int(finals[0][2]) >= 40
   if delete == "1":
     assert not os.path.exists(backup)
   else:
-    assert committed_steps(backup)[-1] == 125  # the last multiple of 5
+    final = int(finals[0][1])
+    assert committed_steps(backup)[-1] == final - final % 5  # the last multiple of 5
+
+
+def test_custom_loop_survives_a_kill_inside_a_save_and_mid_run_bitwise(tmp_path):
+  """tfdp.CheckpointManager in a TF-tutorial loop: SIGKILL inside its first save, then mid-run."""
+  def run(ckpt_dir, out, env=None):
+    proc = _launch([str(ckpt_dir), str(out)], env=env, script=LOOP)
+    text = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
+    return proc.returncode, text
+
+  code, text = run(tmp_path / "reference", tmp_path / "reference.npz")
+  assert code == 0, text[-3000:]
+
+  ckpt = tmp_path / "ckpt"
+  # Worker 1 dies after writing its shard of ckpt-10, before its done-marker.
+  code, text = run(ckpt, tmp_path / "out.npz", env={"TFDP_CKPT_TEST_CRASH_AT": "after_shard:1"})
+  assert code != 0 and "killing worker 1 at after_shard" in text, text[-3000:]
+  assert committed_steps(str(ckpt)) == []
+  _kill_a_worker_after(_launch([str(ckpt), str(tmp_path / "out.npz")], script=LOOP,
+                               env={"TFDP_TEST_SLOW_FROM": "20"}), str(ckpt), 20)
+  code, text = run(ckpt, tmp_path / "out.npz")
+  assert code == 0, text[-3000:]
+  starts = re.findall(r"custom_loop start=(\d+) step=40", text)
+  assert len(starts) == 2 and set(starts) in ({"20"}, {"30"}), text[-3000:]
+  ref, res = np.load(tmp_path / "reference.npz"), np.load(tmp_path / "out.npz")
+  assert len(ref.files) == len(res.files) > 4
+  for k in ref.files:
+    assert ref[k].tobytes() == res[k].tobytes(), k

@@ -191,7 +191,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def check(prefix):
       for diff in state_lib.check_checkpoint(self.state, prefix, self.allow_config_mismatch):
-        logging.warning("tfdp: restoring %s despite a config mismatch: %s", prefix, diff)
+        logging.warning("Resuming despite a config mismatch (%s): %s", prefix, diff)
 
     with model.distribute_strategy.scope():
       prefix = self.manager.restore_newest_intact(before_restore=check)
@@ -199,7 +199,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       self.restored_step = None
       return None
     self.restored_step = self.state.step
-    logging.info("tfdp: restored %s at step %d.", prefix, self.restored_step)
+    logging.info("Restored %s at step %d.", prefix, self.restored_step)
     return self.restored_step
 
   def completed_epochs(self, steps_per_epoch=None) -> int | None:

@@ -164,7 +164,6 @@ def main(argv):
       raise
     heartbeat.exit_peer_lost(e)  # Exits at once with a line naming the peer.
   except errors.TfdpError as e:
-    logging.error("%s", e)
     print(f"tfdp-train: error: {e}", file=sys.stderr)
     return 2
   return 0
