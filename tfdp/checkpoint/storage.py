@@ -191,14 +191,22 @@ def _wait_for_commit(job):
     if failed is not None:
       raise errors.CheckpointError(
           f"Checkpoint {job.prefix} not committed: the chief failed: {failed['error']}")
+    if not fs.isdir(job.layout.directory):
+      # No commit can come: waiting out the timeout would only hide that.
+      raise errors.CheckpointError(
+          f"Checkpoint {job.prefix} not committed: {job.layout.directory} was "
+          "deleted while this worker waited for the chief's commit. Something "
+          "else removed it (another job, a script, or a callback that deleted "
+          "its backup at the end of training).")
     return None
 
   def timeout():
     return errors.CheckpointError(
         f"Checkpoint {job.prefix} not committed: worker 0 (the chief) did not "
         f"write {layout_lib.manifest_path(job.prefix)} within "
-        f"{2 * job.timeout:.0f}s; it probably crashed. The previous checkpoint "
-        "is intact.")
+        f"{2 * job.timeout:.0f}s. The chief crashed or hung, or it did not save "
+        "at this step: every worker must call save() at the same steps. "
+        "Checkpoints committed before it are untouched.")
 
   return _poll(2 * job.timeout, check, timeout)
 
