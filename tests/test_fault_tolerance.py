@@ -11,7 +11,7 @@ import pytest
 from tfdp import errors
 from tfdp import heartbeat
 from tfdp import launch
-from tfdp.checkpoint import writer
+from tfdp.checkpoint import faults
 from tests.workers import ft_common
 
 
@@ -55,7 +55,7 @@ def _plan(seed):
   """5 SIGKILLs: 3 at random steps, 2 inside checkpoint saves, each of a random worker."""
   rng = random.Random(seed)
   steps = sorted(rng.sample(range(10, ft_common.STEPS - 10), 3))
-  phases = rng.sample(writer.PHASES, 2)
+  phases = rng.sample(faults.PHASES, 2)
   events = [{"step": s} for s in steps] + [{"phase": p} for p in phases]
   rng.shuffle(events)
   # A step kill only fires past the restored step: keep step kills increasing.

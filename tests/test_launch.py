@@ -1,17 +1,20 @@
-"""Tests of tfdp-launch with real processes: TF_CONFIG, output, failures, signals, restarts, hangs, elastic slots."""
+"""Tests of tfdp-launch with real processes: TF_CONFIG, output, failures, signals, restarts, hangs, elastic slots, no TF."""
 
 import io
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
+from tfdp import errors
 from tfdp import launch
-from tests.conftest import WORKERS
+from tests.conftest import REPO, WORKERS
 
 PY = sys.executable
 FAKE = os.path.join(WORKERS, "ft_fake.py")
@@ -232,3 +235,212 @@ def test_exit_codes_match_the_workers_modules():
   assert launch.EXIT_PREEMPTED == preemption.EXIT_PREEMPTED
   assert launch.EXIT_PEER_LOST == heartbeat.EXIT_PEER_LOST
   assert launch.ENV_HEARTBEAT_FILE == heartbeat.ENV_HEARTBEAT_FILE
+
+
+# --- The signal contract and the launcher's own process (real `tfdp-launch` processes) ---
+
+
+class _Cli:
+  """`python -m tfdp.launch ARGS` in its own session (as from a terminal), its output collected."""
+
+  def __init__(self, args, cwd=REPO):
+    self.proc = subprocess.Popen(
+        [PY, "-m", "tfdp.launch"] + list(args), cwd=cwd, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    self.lines = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for raw in iter(self.proc.stdout.readline, b""):
+      self.lines.append(raw.decode("utf-8", errors="replace").rstrip("\n"))
+
+  def wait_for(self, needle, count, timeout=60):
+    """The lines holding `needle`, once there are `count` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+      found = [l for l in self.lines if needle in l]
+      if len(found) >= count:
+        return found
+      assert self.proc.poll() is None, self.text()
+      assert time.monotonic() < deadline, self.text()
+      time.sleep(0.02)
+
+  def text(self):
+    self._reader.join(timeout=5 if self.proc.poll() is not None else 0)
+    return "\n".join(self.lines)
+
+  def close(self):
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    self.proc.wait()
+
+
+def _alive(pid):
+  """True while `pid` runs (a zombie nobody reaped yet counts as gone)."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def _pids(lines):
+  return [int(p) for l in lines for p in l.split("pids ")[1].split()]
+
+
+def _gone_within(pids, seconds):
+  deadline = time.monotonic() + seconds
+  while any(map(_alive, pids)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return [p for p in pids if _alive(p)]
+
+
+# Each worker starts a child of its own (`sleep`, which keeps the worker's
+# output pipe open), prints both pids, then waits for a signal.
+_WORKER_WITH_CHILD = (
+    "import os, signal, subprocess, sys, time\n"
+    "child = subprocess.Popen(['sleep', '120'])\n"
+    "{setup}\n"
+    "print('pids', os.getpid(), child.pid, flush=True)\n"
+    "time.sleep(120)\n")
+
+
+def test_sigkill_follows_after_grace_seconds_when_workers_ignore_the_signal():
+  script = _WORKER_WITH_CHILD.format(
+      setup="signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+  cli = _Cli(["--num_workers=2", "--grace_seconds=3", "--", PY, "-c", script])
+  try:
+    pids = _pids(cli.wait_for("pids", 2))
+    os.kill(cli.proc.pid, signal.SIGTERM)
+    signalled = time.monotonic()
+    code = cli.proc.wait(timeout=60)
+    took = time.monotonic() - signalled
+  finally:
+    cli.close()
+  out = cli.text()
+  assert code == launch.EXIT_WORKER_FAILED, out
+  assert took <= 3 + 2, (took, out)
+  assert "still running 3 s after SIGTERM; sending SIGKILL" in out, out
+  assert not _gone_within(pids, 5), out
+
+
+def test_after_a_ctrl_c_in_which_workers_saved_it_exits_75_at_once(tmp_path):
+  # The workers "save" for 0.5 s, note when they exit, and exit 75; their
+  # children still hold the output pipe, which must not keep the launcher.
+  setup = ("def saved(*_):\n"
+           "  time.sleep(0.5)\n"
+           f"  path = os.path.join({str(tmp_path)!r}, os.environ['TFDP_WORKER_INDEX'])\n"
+           "  open(path, 'w').write(repr(time.time()))\n"
+           "  os._exit(75)\n"
+           "signal.signal(signal.SIGINT, saved)")
+  cli = _Cli(["--num_workers=2", "--", PY, "-c", _WORKER_WITH_CHILD.format(setup=setup)])
+  try:
+    pids = _pids(cli.wait_for("pids", 2))
+    os.killpg(cli.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    code = cli.proc.wait(timeout=60)
+    ended = time.time()
+  finally:
+    cli.close()
+  out = cli.text()
+  assert code == launch.EXIT_PREEMPTED, out
+  assert "run the same command again to resume" in out
+  last_worker = max(float((tmp_path / str(i)).read_text()) for i in range(2))
+  assert ended - last_worker < 2.0, (ended - last_worker, out)
+  assert not _gone_within(pids, 5), out  # the workers' children too
+
+
+@pytest.mark.parametrize("target", ["process_group", "pid"])
+def test_workers_never_outlive_a_sigkilled_launcher(target):
+  cli = _Cli(["--num_workers=2", "--", PY, "-c",
+              "import os, time; print('pids', os.getpid(), flush=True); time.sleep(120)"])
+  try:
+    pids = _pids(cli.wait_for("pids", 2))
+    if target == "process_group":
+      os.killpg(os.getpgid(cli.proc.pid), signal.SIGKILL)  # kill -9 -- -PGID
+    else:
+      os.kill(cli.proc.pid, signal.SIGKILL)  # kill -9 PID
+    cli.proc.wait(timeout=30)
+  finally:
+    cli.close()
+  assert not _gone_within(pids, 5), cli.text()
+
+
+def _entry_point():
+  """The `tfdp-launch` console script as setup.cfg declares it: (module, function)."""
+  with open(os.path.join(REPO, "setup.cfg"), encoding="utf-8") as f:
+    target = re.search(r"^\s*tfdp-launch\s*=\s*(\S+)", f.read(), re.M).group(1)
+  module, _, function = target.partition(":")
+  return module, function
+
+
+def test_the_launcher_process_never_imports_tensorflow():
+  # What the console script does, then `python -m tfdp.launch`; each runs
+  # `--num_workers=1 -- true` and looks at its own sys.modules at exit.
+  module, function = _entry_point()
+  check = ("import importlib, runpy, sys\n"
+           "def run(fn):\n"
+           "  try:\n"
+           "    fn()\n"
+           "  except SystemExit as e:\n"
+           "    assert e.code == 0, e.code\n"
+           "  heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+           "  assert not heavy, heavy[:5]\n"
+           "sys.argv = ['tfdp-launch', '--num_workers=1', '--', 'true']\n"
+           f"run(getattr(importlib.import_module({module!r}), {function!r}))\n"
+           "run(lambda: runpy.run_module('tfdp.launch', run_name='__main__', alter_sys=True))\n"
+           "print('ok', flush=True)\n")
+  proc = subprocess.run([PY, "-c", check], cwd=REPO, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, timeout=120, check=False)
+  out = proc.stdout.decode()
+  assert proc.returncode == 0 and out.splitlines()[-1] == "ok", out
+
+
+# How `import tfdp` and its submodules treat TensorFlow and tfdp.compat: each
+# case runs in a fresh interpreter and reports (TF loaded, fixes applied).
+_IMPORTS = {
+    "import tfdp.launch": False,
+    "import tfdp; tfdp.errors; from tfdp import errors, launch; import tfdp.launch.procs": False,
+    "import tfdp; tfdp.make_strategy": True,
+    "from tfdp import callbacks": True,
+    "import tfdp.callbacks": True,
+    "from tfdp.checkpoint import CheckpointManager": True,
+    "import keras; import tfdp": True,
+}
+
+
+@pytest.fixture(scope="module")
+def imports():
+  report = ("\nimport json, sys\n"
+            "compat = sys.modules.get('tfdp.compat')\n"
+            "print(json.dumps(['tensorflow' in sys.modules, compat is not None and "
+            "compat.applied() == set(compat.fixes())]))\n")
+  env = dict(os.environ)
+  env.pop("TFDP_COMPAT_DISABLE", None)
+  procs = {case: subprocess.Popen([PY, "-c", case + report], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for case in _IMPORTS}  # at once: most of them start TensorFlow
+  results = {}
+  for case, proc in procs.items():
+    out = proc.communicate(timeout=300)[0].decode()
+    results[case] = (proc.returncode, out)
+  return results
+
+
+@pytest.mark.parametrize("case", sorted(_IMPORTS))
+def test_tfdp_is_lazy_and_applies_compat_before_it_is_used(imports, case):
+  code, out = imports[case]
+  assert code == 0, out[-3000:]
+  uses_tf = _IMPORTS[case]
+  assert json.loads(out.splitlines()[-1]) == [uses_tf, uses_tf], out[-3000:]
+
+
+def test_options_are_one_dataclass_with_keyword_overrides():
+  options = launch.LaunchOptions(max_restarts=2, grace_seconds=7)
+  with pytest.raises(TypeError):
+    launch.launch([PY, "-c", "pass"], 1, options=options, no_such_option=1)
+  with pytest.raises(errors.ConfigError, match="--hang_timeout must be >= 0"):
+    launch.launch([PY, "-c", "pass"], 1, options=options, hang_timeout=-1)
+  out = io.StringIO()
+  assert launch.launch([PY, "-c", "pass"], 1, out=out, options=options,
+                       max_restarts=0) == launch.EXIT_OK

@@ -4,7 +4,7 @@ FT_CHAOS_PLAN is JSON {attempt: {"worker": i, "step": s} | {"worker": i,
 "phase": p}}; attempt is TFDP_RESTART_COUNT (set by tfdp-launch). A step
 kill fires once this worker's heartbeat reports step >= s; a phase kill
 fires at the first checkpoint save of the attempt, at that phase of the
-sharded save (tfdp.checkpoint.writer.PHASES).
+sharded save (tfdp.checkpoint.faults.PHASES), through the fault hook.
 """
 
 import json
@@ -33,13 +33,24 @@ def _kill_at_step(step):
   threading.Thread(target=watch, daemon=True).start()
 
 
+def _kill_at_phase(phase, me):
+  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+
+  def hook(reached, worker):
+    if reached == phase and worker == me:
+      print(f"ft_train: SIGKILL at {phase}", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  faults.install(hook)
+
+
 def main():
   plan = json.loads(os.environ.get("FT_CHAOS_PLAN") or "{}")
   event = plan.get(os.environ.get("TFDP_RESTART_COUNT", "0"))
   me = int(os.environ.get("TFDP_WORKER_INDEX", "0"))
   if event and event["worker"] == me:
     if "phase" in event:
-      os.environ["TFDP_CKPT_TEST_CRASH_AT"] = f"{event['phase']}:{me}"
+      _kill_at_phase(event["phase"], me)
     else:
       _kill_at_step(event["step"])
   from tfdp.cli import train  # pylint: disable=g-import-not-at-top

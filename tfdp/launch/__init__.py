@@ -1,0 +1,39 @@
+"""tfdp-launch: runs N worker processes of one command and restarts the group when one fails.
+
+The launcher knows nothing of TensorFlow and never imports it (a test
+checks): it starts in a fraction of a second and stays small. Its pieces:
+`addresses` (ports and TF_CONFIG), `output` (prefixed lines),
+`procs` (one group of worker processes), `slots` (which slots an elastic
+restart uses), `signals` (forwarding SIGINT/SIGTERM), `job` (the restart
+loop and its `LaunchOptions`) and `cli` (the flags).
+"""
+
+from tfdp.launch.addresses import cluster_spec
+from tfdp.launch.addresses import free_ports
+from tfdp.launch.addresses import tf_config
+from tfdp.launch.cli import main
+from tfdp.launch.cli import run
+from tfdp.launch.job import EXIT_OK
+from tfdp.launch.job import EXIT_USAGE
+from tfdp.launch.job import EXIT_WORKER_FAILED
+from tfdp.launch.job import LaunchOptions
+from tfdp.launch.job import launch
+from tfdp.launch.procs import DEFAULT_GRACE_SECONDS
+from tfdp.launch.procs import DEFAULT_STARTUP_TIMEOUT
+from tfdp.launch.procs import ENV_HEARTBEAT_FILE
+from tfdp.launch.procs import ENV_RESTART_COUNT
+from tfdp.launch.procs import EXIT_PEER_LOST
+from tfdp.launch.procs import EXIT_PREEMPTED
+from tfdp.launch.procs import FAILED_GROUP_GRACE_SECONDS
+from tfdp.launch.procs import Failure
+from tfdp.launch.procs import Launcher
+from tfdp.launch.procs import first_failure
+from tfdp.launch.slots import Slots
+
+__all__ = [
+    "DEFAULT_GRACE_SECONDS", "DEFAULT_STARTUP_TIMEOUT", "ENV_HEARTBEAT_FILE",
+    "ENV_RESTART_COUNT", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED",
+    "EXIT_USAGE", "EXIT_WORKER_FAILED", "FAILED_GROUP_GRACE_SECONDS", "Failure",
+    "LaunchOptions", "Launcher", "Slots", "cluster_spec", "first_failure",
+    "free_ports", "launch", "main", "run", "tf_config",
+]

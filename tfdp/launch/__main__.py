@@ -1,0 +1,5 @@
+"""`python -m tfdp.launch`: the same as `tfdp-launch`."""
+
+from tfdp.launch.cli import run
+
+run()

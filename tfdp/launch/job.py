@@ -1,0 +1,215 @@
+"""The restart loop of tfdp-launch: attempts of one worker group until it succeeds, is signalled or runs out of restarts."""
+
+import dataclasses
+import shutil
+import signal
+import tempfile
+from typing import Mapping, Optional, Sequence, TextIO
+
+from tfdp import errors
+from tfdp.launch import procs
+from tfdp.launch import signals
+from tfdp.launch.slots import Slots
+
+# Exit codes of tfdp-launch (and EXIT_PREEMPTED: signalled, the workers saved).
+EXIT_OK = 0
+# A worker failed (exited non-zero, was killed or hung) and no restart was
+# left, or the workers did not answer a signal with 0 or EXIT_PREEMPTED; the
+# message names the worker and, after restarts, lists every cause.
+EXIT_WORKER_FAILED = 1
+EXIT_USAGE = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+  """How `launch` runs and restarts a job; one field per flag of tfdp-launch.
+
+  Attributes:
+    port: first port (workers take consecutive ports); None picks free ports,
+      new ones at every restart.
+    grace_seconds: how long stopped workers get between SIGTERM (or the
+      forwarded signal) and SIGKILL.
+    max_restarts: how many times the whole group may be restarted after a
+      worker exits non-zero, is killed or hangs.
+    hang_timeout: seconds without a heartbeat (TFDP_HEARTBEAT_FILE) after
+      which a worker counts as hung; 0 turns it off.
+    startup_timeout: the limit before a worker's first heartbeat (default
+      max(hang_timeout, 600)).
+    elastic: leave out a slot that keeps failing (see `Slots`), down to
+      `min_workers`, and take it back when it is healthy.
+    min_workers: the fewest workers an elastic job runs with (default 1).
+    slot_failures: blamed attempts in a row that make a slot "keep failing".
+    slot_check: shell command, formatted with {slot} and {host}, that exits 0
+      when a left-out slot may return.
+    hosts: the address of each slot (default localhost for all).
+    wrapper: argv prefix of each worker, formatted with {slot}, {index}, {host}.
+  """
+  port: Optional[int] = None
+  grace_seconds: float = procs.DEFAULT_GRACE_SECONDS
+  max_restarts: int = 0
+  hang_timeout: float = 0.0
+  startup_timeout: Optional[float] = None
+  elastic: bool = False
+  min_workers: Optional[int] = None
+  slot_failures: int = 2
+  slot_check: Optional[str] = None
+  hosts: Optional[Sequence[str]] = None
+  wrapper: Optional[Sequence[str]] = None
+
+  def check(self, num_workers: int) -> None:
+    """Raises ConfigError, naming the flag, if these options cannot run `num_workers` workers."""
+    min_workers = 1 if self.min_workers is None else self.min_workers
+    problems = [
+        (num_workers < 1, f"--num_workers must be >= 1, got {num_workers}"),
+        (self.hosts is not None and len(self.hosts) != num_workers,
+         f"--hosts names {len(self.hosts or ())} hosts for --num_workers={num_workers}; "
+         "give one per worker"),
+        (self.grace_seconds < 0, f"--grace_seconds must be >= 0, got {self.grace_seconds:g}"),
+        (self.max_restarts < 0, f"--max_restarts must be >= 0, got {self.max_restarts}"),
+        (self.hang_timeout < 0, f"--hang_timeout must be >= 0, got {self.hang_timeout:g}"),
+        (self.elastic and not 1 <= min_workers <= num_workers,
+         f"--min_workers must be in [1, {num_workers}] (--num_workers), got {min_workers}"),
+        (self.slot_failures < 1, f"--slot_failures must be >= 1, got {self.slot_failures}"),
+    ]
+    for bad, message in problems:
+      if bad:
+        raise errors.ConfigError(message + ".")
+
+
+def launch(command: Sequence[str], num_workers: int,
+           env: Optional[Mapping[str, str]] = None, *,
+           out: Optional[TextIO] = None, options: Optional[LaunchOptions] = None,
+           **option_values) -> int:
+  """Runs `command` as `num_workers` workers, restarting the group on failures.
+
+  SIGINT and SIGTERM received by this process (in the main thread) are
+  forwarded to every worker and end the restarts; workers still running
+  `grace_seconds` later get SIGKILL.
+
+  Args:
+    command: argv list of each worker.
+    num_workers: number of workers (slots).
+    env: environment for the workers (default: this process's).
+    out: stream for prefixed worker output (default: sys.stdout).
+    options: a `LaunchOptions` (default: all defaults).
+    **option_values: fields of `LaunchOptions` to set on top of `options`,
+      e.g. `launch(cmd, 2, max_restarts=3, grace_seconds=5)`.
+
+  Returns:
+    EXIT_OK when every worker of an attempt exited 0, or exited 0 after a
+    signal; EXIT_PREEMPTED when the launcher was signalled and the workers
+    saved and exited with it; else EXIT_WORKER_FAILED.
+
+  Raises:
+    ConfigError: for invalid options, or a command that cannot be started.
+  """
+  options = dataclasses.replace(options or LaunchOptions(), **option_values)
+  options.check(num_workers)
+  return _Job(command, num_workers, env, options, out).run()
+
+
+class _Job:
+  """One `launch`: the attempts, the signal that may end them, and the causes of each restart."""
+
+  def __init__(self, command, num_workers, env, options, out):
+    self.command, self.env, self.options = list(command), env, options
+    self.output = procs.Output(out)
+    self.log = self.output.log
+    keep = ((1 if options.min_workers is None else options.min_workers)
+            if options.elastic else num_workers)
+    self.slots = Slots(num_workers, keep, options.slot_failures,
+                       options.slot_check, options.hosts, self.log)
+    self.group = None
+    self.signum = None
+    self.causes = []
+
+  def on_signal(self, signum):
+    """The signal handler: records, forwards and queues a line; never blocks."""
+    if self.signum is None:
+      self.signum = signum
+    self.output.later(
+        f"received {signal.Signals(signum).name}; forwarding to workers (SIGKILL "
+        f"after {self.options.grace_seconds:g} s); no more restarts.")
+    if self.group is not None:
+      self.group.forward(signum)
+
+  def run(self):
+    heartbeat_dir = tempfile.mkdtemp(prefix="tfdp-heartbeat-")
+    try:
+      with signals.forwarding(self.on_signal):
+        return self._attempts(heartbeat_dir)
+    finally:
+      shutil.rmtree(heartbeat_dir, ignore_errors=True)
+      self.output.flush()
+
+  def _attempts(self, heartbeat_dir):
+    attempt = 0
+    while True:
+      if self.options.elastic and attempt:
+        self.slots.before_attempt()
+      self.group = group = self._group(attempt, heartbeat_dir)
+      # From here on a signal reaches this group, even while it starts.
+      if self.signum is not None:
+        name = signal.Signals(self.signum).name
+        if self.causes:
+          self.log(f"stopped by {name} before the restart; causes: "
+                   + "; ".join(self.causes) + ".")
+        else:
+          self.log(f"stopped by {name} before the workers started.")
+        return EXIT_WORKER_FAILED
+      group.start()
+      failure = group.watch()
+      if self.signum is not None:
+        return self._after_signal(group, failure)
+      if self.options.elastic:
+        self.slots.after_attempt()
+        self.slots.record(failure)
+      if failure is None:
+        if attempt:
+          self.log(f"job finished after {attempt} restart(s).")
+        return EXIT_OK
+      self.causes.append(f"attempt {attempt + 1}: {failure.message}")
+      if attempt >= self.options.max_restarts:
+        return self._give_up(attempt, failure)
+      attempt += 1
+      self.log(f"restart {attempt}/{self.options.max_restarts}: {failure.message}; "
+               "restarting the group from the newest intact checkpoint.")
+
+  def _group(self, attempt, heartbeat_dir):
+    o = self.options
+    group = procs.Launcher(
+        self.command, len(self.slots.active), port=o.port, env=self.env,
+        grace_seconds=o.grace_seconds, out=self.output, slots=self.slots.active,
+        hosts=o.hosts, wrapper=o.wrapper, attempt=attempt,
+        hang_timeout=o.hang_timeout, startup_timeout=o.startup_timeout,
+        heartbeat_dir=heartbeat_dir)
+    if attempt:
+      self.log(f"attempt {attempt + 1}: starting {group.num_workers} worker(s) "
+               f"(slots {group.slots}) at {', '.join(group.cluster['worker'])}.")
+    return group
+
+  def _after_signal(self, group, failure):
+    codes = group.codes()
+    if failure is None and all(c in (EXIT_OK, procs.EXIT_PREEMPTED) for c in codes):
+      if procs.EXIT_PREEMPTED in codes:
+        self.log(f"workers saved and exited after the signal; exit code "
+                 f"{procs.EXIT_PREEMPTED}: run the same command again to resume.")
+        return procs.EXIT_PREEMPTED
+      return EXIT_OK
+    if group.killed:
+      why = (f"worker(s) still running {self.options.grace_seconds:g} s after it "
+             "were killed (--grace_seconds)")
+    elif failure is not None:
+      why = failure.message
+    else:
+      why = ", ".join(f"worker {i} {procs.describe_exit(c)}"
+                      for i, c in enumerate(codes) if c)
+    self.log(f"job failed after the signal: {why}; exit code {EXIT_WORKER_FAILED}.")
+    return EXIT_WORKER_FAILED
+
+  def _give_up(self, attempt, failure):
+    if self.options.max_restarts:
+      self.log(f"giving up after {attempt} restart(s) (--max_restarts="
+               f"{self.options.max_restarts}); causes: " + "; ".join(self.causes) + ".")
+    self.log(f"job failed: {failure.message}.")
+    return EXIT_WORKER_FAILED
