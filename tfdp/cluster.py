@@ -175,11 +175,6 @@ def in_slurm_step() -> bool:
   return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
 
 
-def _gpus():
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf.config.list_physical_devices("GPU")
-
-
 def slurm_resolver(port_base: int | None = None):
   """A `SlurmClusterResolver` for this SLURM job step: one worker per task.
 
@@ -207,7 +202,7 @@ def slurm_resolver(port_base: int | None = None):
   from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver
   # pylint: enable=g-import-not-at-top
   try:
-    gpus = len(_gpus())
+    gpus = len(tf.config.list_physical_devices("GPU"))
     if not gpus:
       # The resolver hands out GPUs per task and lists one task per GPU; on
       # CPU hosts give it one placeholder per task (auto_set_gpu is off, so
@@ -303,14 +298,10 @@ def _from_environment() -> Worker:
 # -- Strategies ---------------------------------------------------------------
 
 
-def _mwms_type():
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf.distribute.MultiWorkerMirroredStrategy
-
-
 def is_multi_worker(strategy: Any) -> bool:
   """Whether `strategy` is a MultiWorkerMirroredStrategy spanning more than one worker."""
-  return (isinstance(strategy, _mwms_type())
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
           and getattr(strategy.extended, "_num_workers", 1) > 1)
 
 
