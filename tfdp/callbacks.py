@@ -191,7 +191,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def check(prefix):
       for diff in state_lib.check_checkpoint(self.state, prefix, self.allow_config_mismatch):
-        logging.warning("Resuming despite a config mismatch (%s): %s", prefix, diff)
+        logging.warning("Resuming despite a config mismatch: %s (%s)", diff, prefix)
 
     with model.distribute_strategy.scope():
       prefix = self.manager.restore_newest_intact(before_restore=check)

@@ -1,4 +1,4 @@
-"""tfdp-train, slowed down after a step so that a test can interrupt it there."""
+"""tfdp-train, slowed down after a step (in its BackupAndRestore) so that a test can interrupt it there."""
 
 import os
 import time
@@ -9,7 +9,7 @@ from tfdp.cli import train
 SLOW_FROM = int(os.environ.get("TFDP_TEST_SLOW_FROM", "-1"))
 SLEEP = float(os.environ.get("TFDP_TEST_STEP_SLEEP", "0.5"))
 
-_original = callbacks.CheckpointEvery.on_train_batch_end
+_original = callbacks.BackupAndRestore.on_train_batch_end
 
 
 def _slow_on_train_batch_end(self, batch, logs=None):
@@ -18,7 +18,7 @@ def _slow_on_train_batch_end(self, batch, logs=None):
     time.sleep(SLEEP)
 
 
-callbacks.CheckpointEvery.on_train_batch_end = _slow_on_train_batch_end
+callbacks.BackupAndRestore.on_train_batch_end = _slow_on_train_batch_end
 
 if __name__ == "__main__":
   train.run()
