@@ -119,11 +119,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       invalid save_freq, as Keras's callback.
   """
 
-  def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
-               delete_checkpoint=True, *, save_before_preemption=False,
-               preemption_grace_seconds=preemption.DEFAULT_GRACE_SECONDS,
-               run_config=None, allow_config_mismatch=False, async_save=False,
-               max_to_keep=-1, max_shard_bytes=None, save_at_end=False):
+  def __init__(self, backup_dir: str, save_freq: str | int | bool = "epoch",
+               double_checkpoint: bool = False, delete_checkpoint: bool = True, *,
+               save_before_preemption: bool = False,
+               preemption_grace_seconds: float = preemption.DEFAULT_GRACE_SECONDS,
+               run_config: dict | None = None, allow_config_mismatch: bool = False,
+               async_save: bool = False, max_to_keep: int | None = -1,
+               max_shard_bytes: int | None = None, save_at_end: bool = False):
     super().__init__()
     if not backup_dir:
       raise errors.ConfigError("Empty `backup_dir` argument passed to BackupAndRestore.")
@@ -178,7 +180,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         async_save=self.async_save, max_shard_bytes=self.max_shard_bytes,
         strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"))
 
-  def restore(self, model=None) -> int | None:
+  def restore(self, model: keras.Model | None = None) -> int | None:
     """Restores the newest intact backup into the model; returns its step, or None.
 
     Every worker must call it. A corrupt backup is set aside (with a
@@ -202,7 +204,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     logging.info("Restored %s at step %d.", prefix, self.restored_step)
     return self.restored_step
 
-  def completed_epochs(self, steps_per_epoch=None) -> int | None:
+  def completed_epochs(self, steps_per_epoch: int | None = None) -> int | None:
     """Epochs completed by the restored backup (None when nothing was restored)."""
     if self.restored_step is None:
       return None
@@ -212,7 +214,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     return max(epoch, 0)
 
   @contextlib.contextmanager
-  def spanning_fit_calls(self, model):
+  def spanning_fit_calls(self, model: keras.Model):
     """Makes several `model.fit` calls one training run (what `tfdp.fit` does).
 
     Inside, `fit` calls neither restore nor delete the backup; restore once
@@ -231,7 +233,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._preemption.handler.uninstall()
     self._finish(model)
 
-  def save(self, step=None) -> str | None:
+  def save(self, step: int | None = None) -> str | None:
     """Saves a backup at the current global step (every worker must call it)."""
     step = _iterations(self.model) if step is None else step
     if self.manager.last_saved_step != step:
@@ -297,7 +299,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 class Throughput(keras.callbacks.Callback):
   """Logs examples per second over each epoch (chief only, through absl)."""
 
-  def __init__(self, global_batch_size):
+  def __init__(self, global_batch_size: int):
     super().__init__()
     self.global_batch_size = global_batch_size
     self._start = None

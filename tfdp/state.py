@@ -2,6 +2,7 @@
 
 import json
 
+import keras
 import tensorflow as tf
 
 from tfdp import errors
@@ -88,7 +89,8 @@ class TrainState:
       world_size, ...). Saved with the state.
   """
 
-  def __init__(self, model, optimizer=None, *, run_config=None):
+  def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None, *,
+               run_config: dict | None = None):
     self.model = model
     self.optimizer = optimizer or model.optimizer
     if self.optimizer is None:
@@ -102,11 +104,11 @@ class TrainState:
         run_config=_JsonState(self.run_config))
 
   @property
-  def step(self):
+  def step(self) -> int:
     """The global step: optimizer updates applied so far."""
     return int(self.optimizer.iterations.numpy())
 
-  def check_compatible(self, saved, allow_mismatch=False):
+  def check_compatible(self, saved: dict, allow_mismatch: bool = False) -> list[str]:
     """Raises IncompatibleCheckpointError if `saved` (a run config) differs where it must not."""
     diffs = [f"{k}: checkpoint has {saved.get(k)!r}, this run has {self.run_config.get(k)!r}"
              for k in MUST_MATCH
@@ -120,7 +122,7 @@ class TrainState:
     return diffs
 
 
-def check_checkpoint(train_state, path, allow_mismatch=False):
+def check_checkpoint(train_state: "TrainState", path: str, allow_mismatch: bool = False) -> list[str]:
   """`train_state.check_compatible` against the run config saved at `path`.
 
   A checkpoint whose run config cannot be read (a missing or short file
@@ -138,7 +140,7 @@ def check_checkpoint(train_state, path, allow_mismatch=False):
   return train_state.check_compatible(saved, allow_mismatch)
 
 
-def read_run_config(path):
+def read_run_config(path: str) -> dict:
   """The run config stored in the checkpoint at `path` ({} if it has none)."""
   reader = tf.train.load_checkpoint(path)
   if not reader.has_tensor(RUN_CONFIG_KEY):

@@ -2,6 +2,9 @@
 
 import contextlib
 import dataclasses
+from typing import Any, Callable, Sequence
+
+import keras
 
 from tfdp import callbacks as callbacks_lib
 from tfdp import errors
@@ -16,7 +19,7 @@ class Segment:
   steps: int
 
 
-def plan(start_step, train_steps, steps_per_epoch):
+def plan(start_step: int, train_steps: int, steps_per_epoch: int) -> list[Segment]:
   """Splits steps [start_step, train_steps) into `model.fit` calls.
 
   Keras runs whole epochs of one `steps_per_epoch`; a run resumed mid-epoch
@@ -44,8 +47,10 @@ def plan(start_step, train_steps, steps_per_epoch):
   return segments
 
 
-def fit(model, make_dataset, *, steps_per_epoch, epochs=None, train_steps=None,
-        start_step=None, callbacks=None, verbose="auto", **fit_kwargs):
+def fit(model: keras.Model, make_dataset: Callable[[int], Any], *, steps_per_epoch: int,
+        epochs: int | None = None, train_steps: int | None = None,
+        start_step: int | None = None, callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        verbose: str | int = "auto", **fit_kwargs) -> list[keras.callbacks.History]:
   """`model.fit` that starts at any global step, with its data exactly there.
 
   The smallest change to a Keras script for an exact resume: replace
