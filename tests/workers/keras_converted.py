@@ -1,4 +1,4 @@
-"""A plain Keras script (MLP classifier, model.fit then evaluate) converted to tfdp as the README says.
+"""A plain Keras script (MLP classifier: model.fit, then evaluate and predict) converted to tfdp as the README says.
 
 Usage: keras_converted.py BACKUP_DIR SAVE_FREQ DELETE DOUBLE [EPOCHS]. Env
 TFDP_TEST_SLOW_FROM=N sleeps after each step from global step N on, so a test
@@ -38,6 +38,8 @@ def main(backup_dir, save_freq, delete, double, epochs=8):
   model.fit(x, y, batch_size=64, epochs=int(epochs), callbacks=[backup, slow_steps.SlowFrom(0.15)],
             verbose=0)
   _, accuracy = model.evaluate(x_test, y_test, batch_size=64, verbose=0)
+  predicted = model.predict(x_test, batch_size=64, verbose=0).argmax(axis=1)
+  assert abs((predicted == y_test).mean() - accuracy) < 1e-6, "predict disagrees with evaluate"
   print(f"test_accuracy={accuracy:.3f} step={int(model.optimizer.iterations.numpy())} "
         f"restored_step={backup.restored_step}", flush=True)
 
