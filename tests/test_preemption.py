@@ -2,8 +2,11 @@
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
+from tests.conftest import REPO
 from tests.test_resume import FINAL, assert_bitwise_equal, committed_steps, interrupt
 from tests.test_resume import reference_run, resume
 from tfdp import preemption
@@ -59,3 +62,20 @@ def test_a_worker_that_cannot_save_exits_when_the_grace_period_ends(tmp_path):
   assert "no preemption checkpoint within the grace period of 3.0 s" in out, out[-3000:]
   assert 3 <= elapsed[0] < 15, elapsed
   assert 60 not in committed_steps(model_dir)
+
+
+def test_the_grace_watchdog_works_again_after_a_reinstall():
+  # A second plain model.fit in one process installs the handler again.
+  code = ("import os, signal, time\n"
+          "from tfdp import preemption\n"
+          "h = preemption.SignalHandler(grace_seconds=0.5)\n"
+          "h.install(); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
+          "h.finished(); h.uninstall()\n"
+          "h.install()\n"
+          "assert not h.requested, 'a signal of the last fit preempts this one'\n"
+          "os.kill(os.getpid(), signal.SIGTERM)\n"
+          "time.sleep(20)\n"
+          "print('survived the grace period')\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+  assert proc.returncode == preemption.EXIT_GRACE_EXPIRED, proc.stdout.decode()[-2000:]

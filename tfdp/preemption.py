@@ -101,12 +101,17 @@ class SignalHandler:
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     self._sockets = (reader, writer)
+    # A new flag, clock and event per installation: a signal seen by an
+    # earlier one (an earlier `fit`) is not this one's.
+    self.signum = None
+    self.received_at = None
+    self._done = threading.Event()
     for sig in self.signals:
       self._previous[sig] = signal.signal(sig, self._on_signal)
     self._previous_fd = signal.set_wakeup_fd(writer.fileno(),
                                              warn_on_full_buffer=False)
-    self._thread = threading.Thread(target=self._watch, name="tfdp-preemption",
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._watch, args=(reader, self._done),
+                                    name="tfdp-preemption", daemon=True)
     self._thread.start()
     return self
 
@@ -140,8 +145,7 @@ class SignalHandler:
   def _on_signal(self, signum, _frame):
     self._note(signum)
 
-  def _watch(self):
-    reader = self._sockets[0]
+  def _watch(self, reader, done):
     while True:
       try:
         data = reader.recv(64)
@@ -159,7 +163,7 @@ class SignalHandler:
                     signal.Signals(self.signum).name, self.grace_seconds)
     if not self.grace_seconds or self.grace_seconds <= 0:
       return
-    if not self._done.wait(self.grace_seconds):
+    if not done.wait(self.grace_seconds):
       logging.error("tfdp: no preemption checkpoint within the grace period of "
                     "%s s; exiting with code %d.", self.grace_seconds,
                     EXIT_GRACE_EXPIRED)
