@@ -11,6 +11,7 @@ import time
 import pytest
 import tensorflow as tf
 
+from tests.conftest import launch_workers
 from tfdp import errors
 from tfdp.checkpoint import CheckpointManager
 from tfdp.checkpoint import layout as layout_lib
@@ -120,3 +121,34 @@ def test_heartbeat_is_renewed_while_the_manager_lives(tmp_path, monkeypatch):
     time.sleep(0.05)
   assert _lease(str(tmp_path))["heartbeat"] > first
   mgr.close()
+
+
+REFUSED_JOB = """
+import sys
+import tensorflow as tf
+import tfdp
+from tests.conftest import launch_workers
+from tfdp import errors
+strategy = tfdp.make_strategy()
+with strategy.scope():
+  v = tf.Variable(1.0)
+try:
+  tfdp.CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1])
+except errors.CheckpointError as e:
+  print("refused:", e, flush=True)
+  sys.exit(3)
+print("not refused", flush=True)
+"""
+
+
+def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(held):
+  d, proc = held
+  code, out = launch_workers([sys.executable, "-c", REFUSED_JOB, d], num_workers=2,
+                             timeout=240)
+  assert code != 0, out
+  assert f"[worker 0] refused: {d} is in use by another job" in out, out[-3000:]
+  # Worker 1 learns it from the chief through the session agreement instead of
+  # waiting in it for a chief that has given up.
+  assert "[worker 1] refused: The chief could not start checkpointing" in out, out[-3000:]
+  assert "not refused" not in out
+  assert _lease(d)["pid"] == proc.pid

@@ -242,7 +242,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def _save_for_preemption(self, step):
     _save_if_due(self.manager, self._decision, step, self._previous, preempted=True)
-    self.manager.wait_until_finished()
+    # Releases the directory too: the job restarted elsewhere takes it at once.
+    self.manager.close()
     self._preempted = True
     return self.manager.latest_checkpoint
 
@@ -283,15 +284,14 @@ class BackupAndRestore(keras.callbacks.Callback):
       return
     _save_if_due(self.manager, self._decision, _iterations(model), self._previous,
                  train_end=True)
-    self.manager.wait_until_finished()
+    self.manager.close()  # Waits for the last save; releases the directory.
     if not self.delete_checkpoint:
-      return
+      return  # A later save takes the directory again.
     # Every worker has returned from its last save before the chief deletes
     # the directory: a worker still waiting for that save's commit would
     # otherwise wait for a manifest that no longer exists.
     cluster.agree(0.0, "max", model.distribute_strategy)
     manager, self.manager = self.manager, None
-    manager.close()
     if manager.worker_index == 0 and tf.io.gfile.exists(self.backup_dir):
       tf.io.gfile.rmtree(self.backup_dir)
 

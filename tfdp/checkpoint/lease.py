@@ -148,7 +148,11 @@ class Renewer:
         except Exception as e:  # pylint: disable=broad-except
           logging.warning("tfdp: could not renew the lease %s: %s", path, e)
 
-    threading.Thread(target=body, name="tfdp-ckpt-lease", daemon=True).start()
+    self._thread = threading.Thread(target=body, name="tfdp-ckpt-lease", daemon=True)
+    self._thread.start()
 
   def stop(self) -> None:
+    """Stops renewing; when it returns no renewal is in flight (so a release stays released)."""
     self._stop.set()
+    if self._thread is not threading.current_thread():
+      self._thread.join()

@@ -1,10 +1,8 @@
 """CheckpointManager: tf.train.CheckpointManager's API over sharded, atomic, verified, optionally async saves."""
 
 import os
-import re
 import threading
 import time
-import uuid
 import warnings
 
 from absl import logging
@@ -25,9 +23,9 @@ from tfdp.checkpoint import planner
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint import retention
+from tfdp.checkpoint import session as session_lib
 from tfdp.checkpoint import storage
 
-RUN_ID_ENV = "TFDP_RUN_ID"
 
 
 def _number(value):
@@ -151,39 +149,10 @@ class CheckpointManager:
     self._writer = async_writer.AsyncWriter()
     self._seq = 0
     self._renewer = None
-    self._session = self._start_session(run_id)
+    self._session, lease = session_lib.start(self._me, self._layout, run_id, self._timeout)
+    if lease is not None:
+      self._renewer = lease_lib.Renewer(self._layout.lease_path, lease, self)
     self._catalog = catalog_lib.read(self._layout, time.time())
-
-  def _start_session(self, run_id):
-    """Agrees on this job's session; the chief leases the directory and cleans it up."""
-    me = self._me
-    agreed = None
-    if me.count == 1:
-      session = uuid.uuid4().hex[:12]
-    else:
-      run_id = run_id if run_id is not None else os.environ.get(RUN_ID_ENV)
-      if run_id is not None:
-        session = re.sub(r"[^A-Za-z0-9_.]", "_", str(run_id))
-      elif me.strategy is not None:
-        nonce = int.from_bytes(os.urandom(6), "big")
-        session, agreed = f"{nonce:012x}", nonce
-      else:
-        raise errors.ConfigError(
-            f"With num_workers={me.count} and no MultiWorkerMirroredStrategy, "
-            f"pass run_id= (or set env {RUN_ID_ENV}) to the same value on "
-            "every worker, new for each attempt of the job.")
-    if me.is_chief:
-      fs.makedirs(self._directory)
-      self._acquire(session)
-      storage.cleanup(self._layout, session)
-    if agreed is not None:
-      # The all-reduce completes only after the chief's lease and cleanup,
-      # so no worker writes into a directory that is being cleaned.
-      total = cluster.agree(agreed if me.is_chief else 0, "max", me.strategy)
-      session = f"{int(total):012x}"
-    if not me.is_chief:
-      lease_lib.check(self._layout.lease_path, session, self._directory, self._timeout)
-    return session
 
   def _acquire(self, session):
     lease = lease_lib.acquire(self._layout.lease_path, session, self._directory)
@@ -354,11 +323,13 @@ class CheckpointManager:
 
   def close(self) -> None:
     """Waits for the background save and releases the directory; a later save takes it again."""
-    self._writer.wait()
-    if self._renewer is not None:
-      self._renewer.stop()
-      self._renewer = None
-      lease_lib.release(self._layout.lease_path, self._session)
+    try:
+      self._writer.wait()
+    finally:
+      if self._renewer is not None:
+        self._renewer.stop()
+        self._renewer = None
+        lease_lib.release(self._layout.lease_path, self._session)
 
   def __enter__(self):
     return self

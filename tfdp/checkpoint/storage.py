@@ -129,7 +129,7 @@ def _wait_for_markers(job):
         f"Checkpoint {job.prefix} not committed: worker(s) {missing} did "
         f"not finish writing their shards within {job.timeout:.0f}s (no "
         f"{job.layout.marker_path(job.tmp_dir, missing[0])}). The worker "
-        "probably crashed or is stuck; the previous checkpoint is intact. "
+        "probably crashed or is stuck; checkpoints committed before it are untouched. "
         "Restart the job, or raise commit_timeout if the file system is slow.")
 
   return _poll(job.timeout, check, timeout)
