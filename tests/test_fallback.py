@@ -2,7 +2,10 @@
 
 import logging
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -128,3 +131,15 @@ def test_every_checkpoint_broken_initializes(base, tmp_path):
   assert mgr.latest_checkpoint is None
   with pytest.raises(errors.CheckpointError, match="No committed checkpoint"):
     mgr.restore()
+
+
+def test_tfdp_ckpt_ls_says_a_checkpoint_was_set_aside(base, tmp_path):
+  d, newest = _fresh(base, tmp_path)
+  _flip(newest + DATA)
+  assert CheckpointManager(_state(0.0), d).restore_or_initialize() == os.path.join(d, "ckpt-1")
+  proc = subprocess.run([sys.executable, "-m", "tfdp.cli.ckpt", "ls", d], timeout=120,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+  out = proc.stdout.decode()
+  assert proc.returncode == 0, out
+  assert re.search(r"ckpt-2 .*set aside as corrupt \(ckpt-2\.manifest\.json\.corrupt\)", out), out
+  assert re.search(r"ckpt-1 .*intact", out), out

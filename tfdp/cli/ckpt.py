@@ -59,7 +59,8 @@ def _check_paths(args):
     if not os.path.isdir(args.dir) and "://" not in args.dir:
       raise UsageError(f"{args.dir}: not a directory of checkpoints")
     return
-  index, manifest = args.path + ".index", args.path + ".manifest.json"
+  from tfdp.checkpoint import layout as layout_lib  # pylint: disable=g-import-not-at-top
+  index, manifest = layout_lib.index_path(args.path), layout_lib.manifest_path(args.path)
   if "://" not in args.path:
     if os.path.isdir(args.path):
       raise UsageError(f"{args.path}: a directory; pass a checkpoint prefix such as "
@@ -80,12 +81,15 @@ def _check_paths(args):
 
 
 def cmd_ls(args, out):
+  from tfdp.checkpoint import layout as layout_lib  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   rows = [("CHECKPOINT", "STEP", "SIZE", "SHARDS", "WORLD", "STATUS")]
   for prefix, man in _checkpoints(args.dir):
     if man is None:
+      aside = layout_lib.corrupt_path(prefix)
       rows.append((os.path.basename(prefix), "-", "-", "-", "-",
-                   "no tfdp manifest (written by TF itself, or a torn save)"))
+                   f"set aside as corrupt ({os.path.basename(aside)})" if os.path.exists(aside)
+                   else "no tfdp manifest (written by TF itself, or a torn save)"))
       continue
     problems = manifest_lib.check_files(prefix, man, checksums=args.checksums)
     status = "intact" if not problems else "CORRUPT: " + "; ".join(problems)
