@@ -141,10 +141,19 @@ print("not refused", flush=True)
 """
 
 
-def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(held):
-  d, proc = held
-  code, out = launch_workers([sys.executable, "-c", REFUSED_JOB, d], num_workers=2,
-                             timeout=240)
+def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(tmp_path):
+  # Its own holder: other tests take the module's `held` directory over.
+  d = str(tmp_path / "model")
+  env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+  proc = subprocess.Popen([sys.executable, "-c", HOLDER, d], env=env, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "ready"
+    code, out = launch_workers([sys.executable, "-c", REFUSED_JOB, d], num_workers=2,
+                               timeout=240)
+  finally:
+    proc.kill()
+    proc.wait()
   assert code != 0, out
   assert f"[worker 0] refused: {d} is in use by another job" in out, out[-3000:]
   # Worker 1 learns it from the chief through the session agreement instead of
