@@ -1,5 +1,6 @@
 """Tests of tfdp.export and `tfdp-ckpt export`: files that plain Keras and safetensors load."""
 
+import io
 import json
 import os
 import subprocess
@@ -8,6 +9,8 @@ import sys
 import keras
 import numpy as np
 import pytest
+import safetensors
+import safetensors.numpy
 
 import models
 from tfdp import cluster
@@ -16,29 +19,32 @@ from tfdp import export
 from tfdp import strategy as strategy_lib
 from tfdp import trainer
 
-# Loads a .keras file and predicts, in a process that imports neither tfdp
-# nor models (it runs from another folder, without the repo on its path).
+# Loads .keras files and predicts, in a process that imports neither tfdp nor
+# models (it runs from another folder, without the repo on its path). One
+# process for every file: starting TensorFlow is most of its time.
 _PLAIN_KERAS = """
 import sys
 import keras
 import numpy as np
-model = keras.models.load_model(sys.argv[1])
-np.save(sys.argv[3], model.predict(dict(np.load(sys.argv[2])), verbose=0))
+for i, path in enumerate(sys.argv[2:]):
+  model = keras.models.load_model(path)
+  inputs = np.load(f"{sys.argv[1]}/inputs{i}.npz")
+  np.save(f"{sys.argv[1]}/out{i}.npy", model.predict(dict(inputs), verbose=0))
 assert not [m for m in sys.modules if m.split(".")[0] in ("tfdp", "models")]
 """
 
 
-def _plain_keras_predict(path, inputs, tmp_path):
-  """Predictions of the .keras file at `path` on `inputs` (a dict), made by plain Keras."""
-  np.savez(tmp_path / "inputs.npz", **inputs)
+def _plain_keras_predict(jobs, tmp_path):
+  """Predictions of each (.keras file, inputs dict) of `jobs`, made by plain Keras."""
+  for i, (_, inputs) in enumerate(jobs):
+    np.savez(tmp_path / f"inputs{i}.npz", **inputs)
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   env["TF_CPP_MIN_LOG_LEVEL"] = "2"
   p = subprocess.run(
-      [sys.executable, "-c", _PLAIN_KERAS, str(path), str(tmp_path / "inputs.npz"),
-       str(tmp_path / "out.npy")], cwd=str(tmp_path), env=env, capture_output=True,
-      text=True, timeout=120, check=False)
+      [sys.executable, "-c", _PLAIN_KERAS, str(tmp_path)] + [str(path) for path, _ in jobs],
+      cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180, check=False)
   assert p.returncode == 0, p.stderr[-3000:]
-  return np.load(tmp_path / "out.npy")
+  return [np.load(tmp_path / f"out{i}.npy") for i in range(len(jobs))]
 
 
 def _compiled(name, **kwargs):
@@ -48,24 +54,6 @@ def _compiled(name, **kwargs):
   trainer._compile(model, trainer.TrainConfig(model=name), spec)  # pylint: disable=protected-access
   model.optimizer.build(model.trainable_variables)
   return model
-
-
-def test_save_keras_loads_in_plain_keras_with_the_same_predictions(tmp_path):
-  # Built and compiled under 2 mirrored replicas, as tfdp-train builds it;
-  # dlrm has dict inputs and keras.ops in its graph.
-  with strategy_lib.make_strategy("mirrored", cpu_replicas=2).scope():
-    model = _compiled("dlrm", vocab_sizes={"user": 7, "item": 5}, num_dense=3)
-  rng = np.random.default_rng(0)
-  inputs = {"dense": rng.normal(size=(6, 3)).astype("float32"),
-            "user": rng.integers(0, 7, 6).astype("int32"),
-            "item": rng.integers(0, 5, 6).astype("int32")}
-  path = tmp_path / "out" / "model.keras"
-  assert export.save_keras(model, path) == str(path)
-  assert os.listdir(tmp_path / "out") == ["model.keras"]  # no temp file left
-  np.testing.assert_allclose(_plain_keras_predict(path, inputs, tmp_path),
-                             model.predict(inputs, verbose=0), rtol=1e-5, atol=1e-6)
-  # The caller's model keeps its compile state.
-  assert model.compiled and model.optimizer.iterations is not None
 
 
 def test_save_keras_chief_only_and_bad_path(tmp_path, monkeypatch):
@@ -84,3 +72,139 @@ def test_save_keras_names_classes_plain_keras_lacks(tmp_path, caplog):
   loaded = keras.models.load_model(
       path, custom_objects={"TiedEmbedding": models.bert.TiedEmbedding})
   assert [v.path for v in loaded.weights] == [v.path for v in model.weights]
+
+
+# -- A checkpoint of a trained model, as tfdp-train leaves one ----------------------
+
+_KWARGS = {"input_shape": [8, 8, 3], "num_classes": 3, "width": 4}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A cnn trained 2 steps and checkpointed through TrainState, with tfdp-train's run config."""
+  import tfdp  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp("export")
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(16, 8, 8, 3)).astype("float32")
+  # The layer names a fresh process gives (Keras numbers unnamed layers per process).
+  keras.backend.clear_session()
+  model = _compiled("cnn", **_KWARGS)
+  model.fit(x, np.arange(16) % 3, batch_size=8, epochs=1, verbose=0)
+  run_config = {"model": "cnn", "model_kwargs": _KWARGS, "seed": 1, "dtype_policy": "float32",
+                "dataset": "synthetic", "global_batch_size": 8}
+  paths = {}
+  for name, config in (("full", run_config), ("no_model", {"seed": 1})):
+    state = tfdp.TrainState(model, run_config=config)
+    with tfdp.CheckpointManager(state.checkpoint, str(root / name)) as manager:
+      paths[name] = manager.save()
+  return {"root": root, "ckpt": paths["full"], "no_model": paths["no_model"],
+          "x": x, "predictions": model.predict(x, verbose=0),
+          "weights": {v.path for v in model.weights},
+          "optimizer": {v.path.split("/", 1)[1] for v in model.optimizer.variables}}
+
+
+def _cli(*argv):
+  from tfdp.cli import ckpt  # pylint: disable=g-import-not-at-top
+  out, err = io.StringIO(), io.StringIO()
+  code = ckpt.main([str(a) for a in argv], out=out, err=err)
+  return code, out.getvalue(), err.getvalue()
+
+
+def _load_folder(folder):
+  """{name: array} of a safetensors export, and the __metadata__ of its files."""
+  tensors, metadata = {}, []
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".safetensors"):
+      tensors.update(safetensors.numpy.load_file(os.path.join(folder, name)))
+      with safetensors.safe_open(os.path.join(folder, name), "np") as f:
+        metadata.append(f.metadata())
+  return tensors, metadata
+
+
+def test_safetensors_weights_only_set_into_a_fresh_model_predict_the_same(trained, tmp_path):
+  code, out, err = _cli("export", trained["ckpt"], tmp_path)
+  assert code == 0, err
+  assert "left out" in out and "--include_optimizer" in out
+  assert os.listdir(tmp_path) == ["model.safetensors"]  # one shard: no index, as HF
+  tensors, (metadata,) = _load_folder(tmp_path)
+  assert set(tensors) == trained["weights"]  # no slots, no iteration, no RNG state
+  assert metadata == {"format": "keras", "source": os.path.abspath(trained["ckpt"]),
+                      "step": "2", "contents": "weights"}
+  keras.backend.clear_session()
+  fresh = models.get("cnn").build(seed=7, **_KWARGS)
+  for v in fresh.weights:
+    v.assign(tensors[v.path])
+  np.testing.assert_array_equal(fresh.predict(trained["x"], verbose=0), trained["predictions"])
+
+
+def test_safetensors_include_optimizer_sharded_like_hugging_face(trained, tmp_path):
+  code, _, err = _cli("export", trained["ckpt"], tmp_path, "--include_optimizer",
+                      "--max_shard_size=500B")
+  assert code == 0, err
+  index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+  files = sorted(set(index["weight_map"].values()))
+  n = len(files)
+  assert n > 2 and files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+  assert sorted(os.listdir(tmp_path)) == files + ["model.safetensors.index.json"]
+  tensors, metadata = _load_folder(tmp_path)
+  assert index["metadata"]["total_size"] == sum(a.nbytes for a in tensors.values())
+  assert set(index["weight_map"]) == set(tensors) == (
+      trained["weights"] | {"optimizer/" + p for p in trained["optimizer"]}
+      | {"seed_generator/seed_generator_state"})
+  assert tensors["optimizer/iteration"] == 2
+  assert {m["contents"] for m in metadata} == {"weights+optimizer"}
+  for name, file_name in index["weight_map"].items():
+    assert name in safetensors.numpy.load_file(tmp_path / file_name)
+
+
+def test_safetensors_refuses_a_folder_with_other_shards_unless_overwrite(trained, tmp_path):
+  stale = ["model-00001-of-00005.safetensors", "model.safetensors.index.json"]
+  for name in stale + ["notes.txt"]:
+    (tmp_path / name).write_text("old")
+  code, out, err = _cli("export", trained["ckpt"], tmp_path)
+  assert (code, out, err.count("\n")) == (2, "", 1) and "--overwrite" in err, err
+  assert (tmp_path / stale[0]).read_text() == "old"
+  assert _cli("export", trained["ckpt"], tmp_path, "--overwrite")[0] == 0
+  # A loader globbing *.safetensors sees each tensor once; other files stay.
+  assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "notes.txt"]
+
+
+def test_keras_files_load_in_plain_keras_with_the_same_predictions(trained, tmp_path):
+  # save_keras of a model built and compiled under 2 mirrored replicas, as
+  # tfdp-train builds it (dlrm: dict inputs, keras.ops in its graph) ...
+  with strategy_lib.make_strategy("mirrored", cpu_replicas=2).scope():
+    model = _compiled("dlrm", vocab_sizes={"user": 7, "item": 5}, num_dense=3)
+  rng = np.random.default_rng(0)
+  inputs = {"dense": rng.normal(size=(6, 3)).astype("float32"),
+            "user": rng.integers(0, 7, 6).astype("int32"),
+            "item": rng.integers(0, 5, 6).astype("int32")}
+  saved = tmp_path / "saved" / "model.keras"
+  assert export.save_keras(model, saved) == str(saved)
+  assert os.listdir(saved.parent) == ["model.keras"]  # no temp file left
+  assert model.compiled and model.optimizer.built  # the caller's model keeps its compile state
+  # ... and tfdp-ckpt export --format=keras of a checkpoint.
+  code, out, err = _cli("export", trained["ckpt"], tmp_path / "out", "--format=keras")
+  exported = tmp_path / "out" / "model.keras"
+  assert (code, out) == (0, f"wrote {exported}\n"), err
+  ours, theirs = _plain_keras_predict(
+      [(saved, inputs), (exported, {"image": trained["x"]})], tmp_path)
+  np.testing.assert_allclose(ours, model.predict(inputs, verbose=0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(theirs, trained["predictions"], rtol=1e-5, atol=1e-6)
+
+
+def test_format_keras_arguments(trained, tmp_path):
+  path = tmp_path / "m.keras"  # OUT may name the file
+  assert _cli("export", trained["ckpt"], path, "--format=keras")[0] == 0
+  code, out, err = _cli("export", trained["ckpt"], path, "--format=keras")
+  assert (code, out, err.count("\n")) == (2, "", 1) and "--overwrite" in err, err
+  assert _cli("export", trained["ckpt"], path, "--format=keras", "--overwrite")[0] == 0
+  for flag in ("--include_optimizer", "--max_shard_size=1GB"):
+    code, _, err = _cli("export", trained["ckpt"], tmp_path / "x", "--format=keras", flag)
+    assert code == 2 and "--format=safetensors" in err and err.count("\n") == 1
+
+
+def test_format_keras_without_a_usable_run_config_is_one_line_exit_2(trained, tmp_path):
+  code, out, err = _cli("export", trained["no_model"], tmp_path / "out", "--format=keras")
+  assert (code, out, err.count("\n")) == (2, "", 1), err
+  assert trained["no_model"] in err and "'model'" in err and "safetensors" in err
+  assert not (tmp_path / "out").exists()

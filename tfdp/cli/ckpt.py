@@ -1,25 +1,15 @@
 """tfdp-ckpt: list, verify, inspect and export tfdp/TF checkpoints."""
 
 import argparse
-import json
 import os
 import re
-import struct
 import sys
 
 import numpy as np
 
-# Hugging Face safetensors dtype names.
-_SAFETENSORS_DTYPES = {
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-    "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
-    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64",
-    "bool": "BOOL",
-}
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
                "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
                "TIB": 2**40}
-_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 def parse_size(text):
@@ -69,8 +59,8 @@ def _check_paths(args):
       raise UsageError(f"{args.path}: no checkpoint there ({index} is missing)")
     if args.command == "verify" and not (os.path.exists(index) or os.path.exists(manifest)):
       raise UsageError(f"{args.path}: no checkpoint there (neither {index} nor {manifest})")
-  if args.command == "export" and os.path.exists(args.out) and not os.path.isdir(args.out):
-    raise UsageError(f"{args.out}: exists and is not a directory")
+  if args.command == "export":
+    _check_export_args(args)
   if args.command in ("inspect", "export"):
     from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
     man = manifest_lib.read_manifest(args.path)
@@ -78,6 +68,24 @@ def _check_paths(args):
     if problems:
       raise UsageError(f"{problems[0]}: the checkpoint is damaged (tfdp-ckpt verify "
                        "lists every bad file)")
+
+
+def _check_export_args(args):
+  names_file = args.format == "keras" and args.out.endswith(".keras")
+  if not names_file and os.path.exists(args.out) and not os.path.isdir(args.out):
+    raise UsageError(f"{args.out}: exists and is not a directory")
+  if args.format != "keras":
+    return
+  for flag, given in (("--include_optimizer", args.include_optimizer),
+                      ("--max_shard_size", args.max_shard_size is not None)):
+    if given:
+      raise UsageError(f"{flag} applies to --format=safetensors only (a .keras file "
+                       "holds the model's weights, no optimizer)")
+  target = _keras_target(args)
+  if os.path.isdir(target):
+    raise UsageError(f"{target}: a directory; pass OUT ending in .keras, or a folder")
+  if os.path.exists(target) and not args.overwrite:
+    raise UsageError(f"{target} exists; pass --overwrite to replace it, or another OUT")
 
 
 def cmd_ls(args, out):
@@ -135,88 +143,35 @@ def cmd_inspect(args, out):
   return 0
 
 
-def _tensor_name(key):
-  if key.endswith(_VALUE_SUFFIX):
-    key = key[:-len(_VALUE_SUFFIX)]
-  return key.replace("/", ".")
-
-
-def _write_safetensors(path, tensors):
-  """Writes {name: ndarray} in the safetensors format (header JSON + raw bytes)."""
-  header, offset = {}, 0
-  for name, arr in tensors:
-    header[name] = {"dtype": _SAFETENSORS_DTYPES[arr.dtype.name],
-                    "shape": list(arr.shape),
-                    "data_offsets": [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
-  header["__metadata__"] = {"format": "tf"}
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for _, arr in tensors:
-      f.write(np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"),
-                                               copy=False).tobytes())
-
-
-def _shard_files(folder):
-  if not os.path.isdir(folder):
-    return []
-  return sorted(f for f in os.listdir(folder)
-                if re.fullmatch(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json", f))
+def _keras_target(args):
+  """The .keras file `--format=keras` writes: OUT itself when it ends in .keras, else OUT/model.keras."""
+  from tfdp import export  # pylint: disable=g-import-not-at-top
+  return args.out if args.out.endswith(".keras") else os.path.join(args.out, export.KERAS_FILE)
 
 
 def cmd_export(args, out):
-  if args.format != "safetensors":
-    out.write(f"unsupported --format={args.format}\n")
-    return 2
-  reader, variables = _variables(args.path)
-  shards, cur, size = [], [], 0
-  skipped = []
-  for key, shape, dtype in variables:
-    # Bookkeeping, not weights: the object graph, save counter, per-worker state.
-    if (dtype.name not in _SAFETENSORS_DTYPES or key.startswith("_") or
-        key.startswith("save_counter/")):
-      skipped.append(key)
-      continue
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
-    if cur and size + nbytes > args.max_shard_size:
-      shards.append(cur)
-      cur, size = [], 0
-    cur.append(key)
-    size += nbytes
-  if cur:
-    shards.append(cur)
-  stale = _shard_files(args.out)
-  if stale and not args.overwrite:
-    raise UsageError(f"{args.out} already holds {len(stale)} exported file(s); pass "
-                     "--overwrite to replace them, or another folder")
-  created = not os.path.exists(args.out)
-  os.makedirs(args.out, exist_ok=True)
-  try:
-    for name in stale:
-      os.remove(os.path.join(args.out, name))
-    weight_map, total = {}, 0
-    for k, keys in enumerate(shards):
-      fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-      tensors = [(_tensor_name(key), np.asarray(reader.get_tensor(key)))
-                 for key in keys]
-      _write_safetensors(os.path.join(args.out, fname), tensors)
-      for name, arr in tensors:
-        weight_map[name] = fname
-        total += arr.nbytes
-  except BaseException:
-    for name in _shard_files(args.out):
-      os.remove(os.path.join(args.out, name))
-    if created:
-      os.rmdir(args.out)
-    raise
-  with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
-              f, indent=2, sort_keys=True)
-  out.write(f"wrote {len(weight_map)} tensors, {total} bytes in {len(shards)} "
-            f"shard(s) to {args.out}; skipped non-numeric: {skipped}\n")
+  from tfdp import export  # pylint: disable=g-import-not-at-top
+  if args.format == "keras":
+    import keras  # pylint: disable=g-import-not-at-top
+    # The rebuilt layers must get the names a fresh process gives them (Keras
+    # numbers unnamed ones per process), which the checkpoint's keys hold;
+    # main() may run inside a process that built models before.
+    keras.backend.clear_session()
+    path = export.keras_from_checkpoint(args.path, _keras_target(args))
+    out.write(f"wrote {path}\n")
+    return 0
+  result = export.save_safetensors(
+      args.path, args.out, include_optimizer=args.include_optimizer,
+      max_shard_size=(export.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
+                      else args.max_shard_size),
+      overwrite=args.overwrite)
+  shards = len(result.files) - (export.SAFETENSORS_INDEX in result.files)
+  out.write(f"wrote {len(result.names)} tensors, {result.total_size} bytes in {shards} "
+            f"file(s) to {args.out}")
+  if result.left_out:
+    out.write(f"; left out {len(result.left_out)} optimizer/RNG tensors "
+              "(--include_optimizer adds them)")
+  out.write("\n")
   return 0
 
 
@@ -237,13 +192,19 @@ def build_parser():
   i = sub.add_parser("inspect", help="variables, shapes, dtypes, bytes")
   i.add_argument("path")
   i.set_defaults(fn=cmd_inspect)
-  e = sub.add_parser("export", help="export to Hugging Face safetensors shards")
-  e.add_argument("path")
-  e.add_argument("out")
-  e.add_argument("--format", default="safetensors", choices=["safetensors"])
-  e.add_argument("--max_shard_size", type=parse_size, default="5GB")
+  e = sub.add_parser(
+      "export", help="export the model: Hugging Face safetensors (weights only by "
+      "default), or a .keras file plain Keras loads (tfdp-train checkpoints)")
+  e.add_argument("path", help="checkpoint prefix, e.g. DIR/ckpt-5")
+  e.add_argument("out", help="output folder (keras: also a path ending in .keras)")
+  e.add_argument("--format", default="safetensors", choices=["safetensors", "keras"])
+  e.add_argument("--include_optimizer", action="store_true",
+                 help="safetensors: also the optimizer's slots and step, and the RNG state")
+  e.add_argument("--max_shard_size", type=parse_size, default=None,
+                 help="safetensors: most bytes per file (default 5GB)")
   e.add_argument("--overwrite", action="store_true",
-                 help="replace the files of an earlier export in OUT")
+                 help="remove the safetensors files already in OUT first (keras: "
+                 "replace the file)")
   e.set_defaults(fn=cmd_export)
   return p
 
@@ -251,8 +212,8 @@ def build_parser():
 def main(argv=None, out=None, err=None):
   """Runs the tool on `argv` (without the program name); returns the exit code.
 
-  A bad path, or a checkpoint that cannot be read, is one line on `err` and
-  exit code 2.
+  A bad path or argument (a ConfigError included), or a checkpoint that
+  cannot be read, is one line on `err` and exit code 2.
   """
   args = build_parser().parse_args(argv)
   err = err or sys.stderr
@@ -263,6 +224,10 @@ def main(argv=None, out=None, err=None):
     err.write(f"tfdp-ckpt: error: {e}\n")
     return 2
   except Exception as e:  # pylint: disable=broad-except
+    from tfdp import errors  # pylint: disable=g-import-not-at-top
+    if isinstance(e, errors.ConfigError):
+      err.write(f"tfdp-ckpt: error: {' '.join(str(e).split())}\n")
+      return 2
     if not _unreadable(e):
       raise
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
