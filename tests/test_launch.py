@@ -98,7 +98,7 @@ def test_sigterm_is_forwarded_to_every_worker(exit_code):
             "def bye(*_):\n"
             f"  print('got SIGTERM', flush=True); sys.exit({exit_code})\n"
             "signal.signal(signal.SIGTERM, bye)\n"
-            "print('ready', flush=True)\n"
+            "print('ready', os.environ['TFDP_WORKER_INDEX'], flush=True)\n"
             "time.sleep(120)\n")
   out = io.StringIO()
   _signal_when(out, "ready", 2, signal.SIGTERM)
@@ -152,7 +152,7 @@ def test_gives_up_after_max_restarts_with_a_summary_of_causes(tmp_path):
   assert code == launch.EXIT_WORKER_FAILED
   assert sorted(runs) == [0, 1]
   assert ("giving up after 1 restart(s) (--max_restarts=1); causes: attempt 1: "
-          "worker 1 exited with code 4; attempt 2: worker 0 exited with code 9.") in out, out
+          "worker 1 exited with code 4; attempt 2: worker 0 exited with code 9; exit code 1.") in out, out
 
 
 def test_the_worker_that_died_is_blamed_not_the_peer_that_lost_it():

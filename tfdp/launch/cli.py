@@ -6,6 +6,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from tfdp import errors
+from tfdp.launch import output
 from tfdp.launch import procs
 from tfdp.launch.job import EXIT_OK
 from tfdp.launch.job import EXIT_USAGE
@@ -61,6 +62,12 @@ def _parser():
   parser.add_argument("--wrapper", default=None,
                       help="command prefix of each worker, formatted with "
                            "{slot}, {index}, {host}; e.g. 'ip netns exec ns{slot}'")
+  parser.add_argument("--verbose_workers", action="store_true",
+                      help="print every worker line as it comes (also: "
+                           f"{output.ENV_SHOW_TF_LOGS}=1); by default known "
+                           "TF/gRPC start-up and shutdown noise is printed only "
+                           "when a worker fails, and a failed worker's lines "
+                           "that repeat another worker's are not printed twice")
   return parser
 
 
@@ -90,7 +97,8 @@ def parse(argv: Sequence[str]) -> tuple[list[str], int, LaunchOptions]:
       startup_timeout=args.startup_timeout, elastic=args.elastic,
       min_workers=args.min_workers, slot_failures=args.slot_failures,
       slot_check=args.slot_check, hosts=hosts,
-      wrapper=shlex.split(args.wrapper) if args.wrapper else None)
+      wrapper=shlex.split(args.wrapper) if args.wrapper else None,
+      verbose_workers=args.verbose_workers)
   return command, num_workers, options
 
 

@@ -7,6 +7,7 @@ import tempfile
 from typing import Mapping, Optional, Sequence, TextIO
 
 from tfdp import errors
+from tfdp.launch import output
 from tfdp.launch import procs
 from tfdp.launch import signals
 from tfdp.launch.slots import Slots
@@ -43,6 +44,10 @@ class LaunchOptions:
       when a left-out slot may return.
     hosts: the address of each slot (default localhost for all).
     wrapper: argv prefix of each worker, formatted with {slot}, {index}, {host}.
+    verbose_workers: print every worker line as it comes; by default (and
+      unless TFDP_SHOW_TF_LOGS=1) known TF/gRPC noise is printed only when
+      its worker or the group fails, and a line that repeats another
+      worker's is not printed again when its worker fails.
   """
   port: Optional[int] = None
   grace_seconds: float = procs.DEFAULT_GRACE_SECONDS
@@ -55,6 +60,7 @@ class LaunchOptions:
   slot_check: Optional[str] = None
   hosts: Optional[Sequence[str]] = None
   wrapper: Optional[Sequence[str]] = None
+  verbose_workers: bool = False
 
   def check(self, num_workers: int) -> None:
     """Raises ConfigError, naming the flag, if these options cannot run `num_workers` workers."""
@@ -170,7 +176,7 @@ class _Job:
         return EXIT_OK
       self.causes.append(f"attempt {attempt + 1}: {failure.message}")
       if attempt >= self.options.max_restarts:
-        return self._give_up(attempt, failure)
+        return self._give_up(attempt)
       attempt += 1
       self.log(f"restart {attempt}/{self.options.max_restarts}: {failure.message}; "
                "restarting the group from the newest intact checkpoint.")
@@ -182,7 +188,8 @@ class _Job:
         grace_seconds=o.grace_seconds, out=self.output, slots=self.slots.active,
         hosts=o.hosts, wrapper=o.wrapper, attempt=attempt,
         hang_timeout=o.hang_timeout, startup_timeout=o.startup_timeout,
-        heartbeat_dir=heartbeat_dir)
+        heartbeat_dir=heartbeat_dir,
+        show_all=o.verbose_workers or output.show_tf_logs())
     if attempt:
       self.log(f"attempt {attempt + 1}: starting {group.num_workers} worker(s) "
                f"(slots {group.slots}) at {', '.join(group.cluster['worker'])}.")
@@ -196,20 +203,20 @@ class _Job:
                  f"{procs.EXIT_PREEMPTED}: run the same command again to resume.")
         return procs.EXIT_PREEMPTED
       return EXIT_OK
-    if group.killed:
-      why = (f"worker(s) still running {self.options.grace_seconds:g} s after it "
-             "were killed (--grace_seconds)")
-    elif failure is not None:
-      why = failure.message
+    if group.killed or failure is not None:
+      why = ""  # the group has logged it ("... sending SIGKILL", "worker 1 exited ...")
     else:
-      why = ", ".join(f"worker {i} {procs.describe_exit(c)}"
-                      for i, c in enumerate(codes) if c)
-    self.log(f"job failed after the signal: {why}; exit code {EXIT_WORKER_FAILED}.")
+      why = ": " + ", ".join(f"worker {i} {procs.describe_exit(c)}"
+                             for i, c in enumerate(codes) if c)
+    self.log(f"job failed after the signal{why}; exit code {EXIT_WORKER_FAILED}.")
     return EXIT_WORKER_FAILED
 
-  def _give_up(self, attempt, failure):
+  def _give_up(self, attempt):
+    # The group logged the failure when it happened; this line says what follows.
     if self.options.max_restarts:
       self.log(f"giving up after {attempt} restart(s) (--max_restarts="
-               f"{self.options.max_restarts}); causes: " + "; ".join(self.causes) + ".")
-    self.log(f"job failed: {failure.message}.")
+               f"{self.options.max_restarts}); causes: " + "; ".join(self.causes)
+               + f"; exit code {EXIT_WORKER_FAILED}.")
+    else:
+      self.log(f"job failed; exit code {EXIT_WORKER_FAILED}.")
     return EXIT_WORKER_FAILED

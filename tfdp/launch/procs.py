@@ -15,6 +15,7 @@ from tfdp.launch.addresses import cluster_spec
 from tfdp.launch.addresses import tf_config
 from tfdp.launch.output import Output
 from tfdp.launch.output import Pump
+from tfdp.launch.output import WorkerLines
 
 # How long workers get to exit after SIGTERM before they are killed, when the
 # group is stopped by a signal to the launcher or a worker was preempted.
@@ -156,6 +157,9 @@ class Launcher:
       as hung; 0 turns hang detection off.
     startup_timeout: the same limit before a worker's first heartbeat.
     heartbeat_dir: where heartbeat files go (default: a temporary folder).
+    show_all: print every worker line as it comes; by default known TF
+      noise and lines repeating another worker's are held back (see
+      `output.WorkerLines`).
   """
 
   def __init__(self, command: Sequence[str], num_workers: int, *,
@@ -168,7 +172,8 @@ class Launcher:
                wrapper: Optional[Sequence[str]] = None, attempt: int = 0,
                hang_timeout: float = 0.0,
                startup_timeout: Optional[float] = None,
-               heartbeat_dir: Optional[str] = None):
+               heartbeat_dir: Optional[str] = None,
+               show_all: bool = False):
     if not command:
       raise errors.ConfigError(
           "No command to launch: put it after `--`, e.g. "
@@ -193,6 +198,7 @@ class Launcher:
     self.heartbeat_dir = heartbeat_dir or tempfile.mkdtemp(prefix="tfdp-heartbeat-")
     self.procs = []
     self.heartbeat_files = []
+    self.lines = WorkerLines(self.output, num_workers, show_all=show_all)
     self._pumps = []
     self._stopping = False
     # A signal to the launcher, forwarded: later exits 0 and 75 are no failures.
@@ -244,7 +250,7 @@ class Launcher:
       self.procs.append(proc)
       if self._term_signal is not None:  # a signal came while starting
         _kill_group(proc.pid, self._term_signal)
-      pump = Pump(proc.stdout, f"[worker {i}] ", self.output)
+      pump = Pump(proc.stdout, i, self.lines)
       pump.start()
       self._pumps.append(pump)
 
@@ -367,6 +373,7 @@ class Launcher:
     failure = None
     while True:
       self.output.flush()
+      self.lines.tick()
       codes = self.codes()
       now = time.monotonic()
       if failure is None and not self._stopping and not self._killed:
@@ -388,6 +395,9 @@ class Launcher:
     for pump in self._pumps:
       pump.join(timeout=max(0.0, deadline - time.monotonic()))
     self.output.flush()
+    # A worker that saved for a preemption (exit 75) did its part.
+    self.lines.finish([0 if c == EXIT_PREEMPTED else c for c in self.codes()],
+                      failed=failure is not None and failure.kind != "preempted")
     self.cleanup()
     return failure
 
