@@ -16,6 +16,7 @@ import models
 from tfdp import cluster
 from tfdp import errors
 from tfdp import export
+from tfdp import optim
 from tfdp import strategy as strategy_lib
 from tfdp import trainer
 
@@ -51,7 +52,8 @@ def _compiled(name, **kwargs):
   """A registry model compiled as tfdp-train compiles it (tfdp's optimizer and the models' loss)."""
   spec = models.get(name)
   model = spec.build(seed=1, **kwargs)
-  trainer._compile(model, trainer.TrainConfig(model=name), spec)  # pylint: disable=protected-access
+  model.compile(optimizer=optim.from_config(trainer.TrainConfig(model=name), spec),
+                **spec.compile_args())
   model.optimizer.build(model.trainable_variables)
   return model
 
@@ -90,8 +92,9 @@ def trained(tmp_path_factory):
   keras.backend.clear_session()
   model = _compiled("cnn", **_KWARGS)
   model.fit(x, np.arange(16) % 3, batch_size=8, epochs=1, verbose=0)
-  run_config = {"model": "cnn", "model_kwargs": _KWARGS, "seed": 1, "dtype_policy": "float32",
-                "dataset": "synthetic", "global_batch_size": 8}
+  run_config = dict(export.model_run_config("cnn", dict(_KWARGS, input_shape=(8, 8, 3)), seed=1),
+                    dataset="synthetic", global_batch_size=8)
+  assert run_config["model_kwargs"] == _KWARGS and run_config["dtype_policy"] == "float32"
   paths = {}
   for name, config in (("full", run_config), ("no_model", {"seed": 1})):
     state = tfdp.TrainState(model, run_config=config)
@@ -186,10 +189,17 @@ def test_keras_files_load_in_plain_keras_with_the_same_predictions(trained, tmp_
   code, out, err = _cli("export", trained["ckpt"], tmp_path / "out", "--format=keras")
   exported = tmp_path / "out" / "model.keras"
   assert (code, out) == (0, f"wrote {exported}\n"), err
-  ours, theirs = _plain_keras_predict(
-      [(saved, inputs), (exported, {"image": trained["x"]})], tmp_path)
+  # A user's compiled Sequential model.
+  sequential = keras.Sequential([keras.Input((3,), name="x"), keras.layers.Dense(4),
+                                 keras.layers.Dropout(0.5, seed=2), keras.layers.Dense(2)])
+  sequential.compile(optimizer="adam", loss="mse")
+  export.save_keras(sequential, tmp_path / "sequential.keras")
+  ours, theirs, users = _plain_keras_predict(
+      [(saved, inputs), (exported, {"image": trained["x"]}),
+       (tmp_path / "sequential.keras", {"x": inputs["dense"]})], tmp_path)
   np.testing.assert_allclose(ours, model.predict(inputs, verbose=0), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(theirs, trained["predictions"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(users, sequential.predict(inputs["dense"], verbose=0))
 
 
 def test_format_keras_arguments(trained, tmp_path):
@@ -208,3 +218,16 @@ def test_format_keras_without_a_usable_run_config_is_one_line_exit_2(trained, tm
   assert (code, out, err.count("\n")) == (2, "", 1), err
   assert trained["no_model"] in err and "'model'" in err and "safetensors" in err
   assert not (tmp_path / "out").exists()
+
+
+def test_model_run_config_rebuilds_under_its_dtype_policy_and_checks_the_fit(trained):
+  entries = export.model_run_config("cnn", _KWARGS, seed=3, dtype_policy="mixed_bfloat16")
+  model = export.model_from_run_config(json.loads(json.dumps(entries)))
+  assert model.get_layer("logits").dtype_policy.name == "mixed_bfloat16"
+  assert keras.config.dtype_policy().name == "float32"  # the global policy is left alone
+  with pytest.raises(errors.ConfigError, match="Unknown model 'nope'"):
+    export.model_from_run_config(dict(entries, model="nope"))
+  keras.backend.clear_session()
+  other = models.get("cnn").build(seed=1, **dict(_KWARGS, num_classes=4))
+  with pytest.raises(errors.ConfigError, match=r"'logits/bias' has shape \[3\] there, \(4,\)"):
+    export.restore_model_variables(other, trained["ckpt"])

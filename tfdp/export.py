@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import os
 import uuid
 from typing import Any
@@ -333,13 +334,42 @@ def save_safetensors(checkpoint: str, folder: str, *, include_optimizer: bool = 
 # -- A tfdp-train checkpoint as a .keras model ------------------------------------
 
 
+def model_run_config(model: str, model_kwargs: dict, *, seed: int,
+                     dtype_policy: str | None = None) -> dict:
+  """The run-config entries that `model_from_run_config` rebuilds a registry model from.
+
+  `tfdp-train` adds them to the run config it saves, so that
+  `tfdp-ckpt export --format=keras` can rebuild the model of any of its
+  checkpoints.
+
+  Args:
+    model: the `--model` name (e.g. `cnn`, `bert`, `keras_app:MobileNetV2`).
+    model_kwargs: what the builder is given besides the seed (the dataset's
+      shapes and model flags such as `bert_config`); tuples and NumPy
+      scalars are stored as JSON lists and numbers.
+    seed: the builder's seed.
+    dtype_policy: the Keras dtype policy the model is built under (default:
+      the global one, e.g. `mixed_bfloat16` under --mixed_precision).
+
+  Returns:
+    {"model", "model_kwargs", "seed", "dtype_policy"}, JSON-ready.
+  """
+  def plain(value):
+    if isinstance(value, (np.generic, np.ndarray)):
+      return value.tolist()
+    raise errors.ConfigError(f"model_kwargs hold {value!r}, which JSON cannot store.")
+
+  return {"model": model, "model_kwargs": json.loads(json.dumps(model_kwargs, default=plain)),
+          "seed": int(seed), "dtype_policy": dtype_policy or keras.config.dtype_policy().name}
+
+
 def model_from_run_config(run_config: dict) -> keras.Model:
   """The (uncompiled) model of a `tfdp-train` run, built from the run config its checkpoints hold.
 
-  It needs `model` (a `--model` name of the registry in `models/`),
-  `model_kwargs` (what the builder was given besides the seed: shapes from
-  the dataset and model flags such as `bert_config`), `seed`, and
-  optionally `dtype_policy` (e.g. `mixed_bfloat16`; default float32).
+  It needs the entries of `model_run_config`: `model` (a `--model` name of
+  the registry in `models/`), `model_kwargs` (what the builder was given
+  besides the seed), `seed`, and optionally `dtype_policy` (default
+  float32).
 
   Raises:
     ConfigError: the run config lacks these entries or names an unknown model.
@@ -350,7 +380,8 @@ def model_from_run_config(run_config: dict) -> keras.Model:
     missing = "model" if not name else "model_kwargs"
     raise errors.ConfigError(
         f"the run config has no {missing!r} entry, so the model cannot be rebuilt "
-        "(only checkpoints of tfdp-train runs record it); export --format=safetensors "
+        "(tfdp-train records the model's name and builder arguments; a user's "
+        "script or an older tfdp-train did not); export --format=safetensors "
         "instead, or build the model yourself and call tfdp.export.save_keras")
   try:
     spec = models.get(name)
