@@ -38,6 +38,13 @@ NOISE = [
     ':UNKNOWN:Error received from peer  {{grpc_status:14, grpc_message:"failed to connect to '
     'all addresses; last error: UNKNOWN: ipv4:127.0.0.1:36509: Failed to connect to remote '
     'host: Connection refused"}}',
+    "E0000 00:00:1796134874.756134   {pid} base_collective_executor.cc:252] BaseCollective"
+    "Executor::StartAbort UNAVAILABLE: Error reported from /job:worker/task:1: The following "
+    "tasks are unhealthy (stopped sending heartbeats):",
+    "/job:worker/replica:0/task:1",
+    "The tasks have crashed. Check the task logs for an earlier error, or scheduler events "
+    "(e.g. preemption, eviction) to debug further. [type.googleapis.com/tensorflow.Coordination"
+    "ServiceError='\\\"\\n\\n\\x06worker\\x10\\x01']",
     "W1201 14:02:15.351870 {pid} checkpoint.py:225] Detecting that an object or model or "
     "tf.train.Checkpoint is being deleted with unrestored values. See the following logs for "
     "the specific values in question.",

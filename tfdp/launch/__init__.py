@@ -2,10 +2,11 @@
 
 The launcher knows nothing of TensorFlow and never imports it (a test
 checks): it starts in a fraction of a second and stays small. Its pieces:
-`addresses` (ports and TF_CONFIG), `output` (prefixed lines),
-`procs` (one group of worker processes), `slots` (which slots an elastic
-restart uses), `signals` (forwarding SIGINT/SIGTERM), `job` (the restart
-loop and its `LaunchOptions`) and `cli` (the flags).
+`addresses` (ports and TF_CONFIG), `output` (prefixed lines; known TF
+noise held back unless a worker fails), `procs` (one group of worker
+processes), `slots` (which slots an elastic restart uses), `signals`
+(forwarding SIGINT/SIGTERM), `job` (the restart loop and its
+`LaunchOptions`) and `cli` (the flags).
 """
 
 from tfdp.launch.addresses import cluster_spec

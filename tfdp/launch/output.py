@@ -69,12 +69,16 @@ NOISE = (
     _noise("dataset-not-optimized", _ABSL.format(levels="W") + r"dataset\.cc:\d+\] Input of "
            r"GeneratorDatasetOp::Dataset will not be optimized because the dataset does not "
            r"implement the AsGraphDefInternal\(\) method needed to apply optimizations\."),
-    # A worker whose chief (the coordination service) has already exited
-    # after a finished run; mid-run the same line comes with a failure.
+    # A peer that is gone at the end of a finished run: a worker whose chief
+    # (the coordination service) has exited, or the chief after a worker
+    # stopped sending heartbeats. Mid-run the same lines come with a failure.
     _noise("start-abort-unavailable", _ABSL.format(levels="E") + r"base_collective_executor"
-           r"\.cc:\d+\] BaseCollectiveExecutor::StartAbort UNAVAILABLE: Failed to send RPC "
-           r"to coordination service\..*",
-           continued=r"Additional GRPC error information from remote target /job:\S+ while "
+           r"\.cc:\d+\] BaseCollectiveExecutor::StartAbort UNAVAILABLE: (?:Failed to send RPC "
+           r"to coordination service\.|Error reported from /job:\S+: The following tasks are "
+           r"unhealthy \(stopped sending heartbeats\):).*",
+           continued=r"/job:\w+/replica:\d+/task:\d+"
+                     r"|The tasks have crashed\. Check the task logs for an earlier error.*"
+                     r"|Additional GRPC error information from remote target /job:\S+ while "
                      r"calling /tensorflow\.CoordinationService/\w+:"
                      r"|:UNKNOWN:Error received from peer .*"),
     # tf.train.Checkpoint, when a checkpoint holds more than what restored it
