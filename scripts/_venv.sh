@@ -1,12 +1,15 @@
 # Sourced by scripts/test.sh and scripts/demo.sh (from the repo root): .venv with tfdp installed.
-# tfdp_venv EXTRAS [if_missing]: EXTRAS is "" or e.g. "[test]"; with if_missing, skip pip when tfdp imports.
+# tfdp_venv EXTRAS [if_missing]: EXTRAS is "" or e.g. "[test]"; with if_missing, skip pip when tfdp is installed.
 tfdp_venv() {
   local extras="$1" mode="${2:-}"
   if [ ! -x .venv/bin/python ]; then
     echo "==> creating .venv"
     "${PYTHON:-python3}" -m venv .venv
   fi
-  if [ "$mode" = if_missing ] && .venv/bin/python -c "import tfdp" 2>/dev/null; then
+  # Installed, not merely importable: from the repo root `import tfdp` finds ./tfdp (and
+  # imports no TensorFlow), so it succeeds in a fresh venv too.
+  if [ "$mode" = if_missing ] && [ -x .venv/bin/tfdp-launch ] &&
+     .venv/bin/python -c "import importlib.metadata as m; m.version('tfdp')" 2>/dev/null; then
     return 0
   fi
   echo "==> installing tfdp${extras} into .venv (TensorFlow is large: a minute or two the first time)"
