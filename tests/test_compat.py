@@ -106,8 +106,27 @@ def test_dict_inputs_two_outputs_batch_norm_steps_per_execution(full_run):
                                  atol=1e-5)
 
 
+# Fixes whose need another test shows (the behaviour without them).
+TESTED_ELSEWHERE = {
+    "fit_data_state":
+        "tests/test_fit_data_position.py::test_backup_without_data_position_restores_with_a_warning",
+    "chief_only_verbose": "test_progress_bars_only_on_the_chief_unless_asked",
+}
+
+
 def test_every_fix_has_a_probe():
-  assert set(PROBES) == set(compat.fixes())
+  assert set(PROBES) | set(TESTED_ELSEWHERE) == set(compat.fixes())
+
+
+def test_progress_bars_only_on_the_chief_unless_asked(run_workers):
+  code, out = run_workers([sys.executable, os.path.join(os.path.dirname(WORKER),
+                                                        "verbose_worker.py")])
+  assert code == 0 and "DONE 0" in out and "DONE 1" in out, out[-3000:]
+  lines = out.split("\n")  # A progress bar redraws with \r within one line.
+  bars = {w: [l for l in lines if l.startswith(f"[worker {w}]") and "step" in l] for w in (0, 1)}
+  # Chief: fit's, evaluate's and predict's bars plus the verbose=2 line; worker 1: that line only.
+  assert len([l for l in bars[0] if "\u2501" in l]) == 3 and len(bars[0]) == 4, out[-3000:]
+  assert len(bars[1]) == 1 and "loss" in bars[1][0], bars[1]
 
 
 @pytest.mark.parametrize("fix", sorted(PROBES))

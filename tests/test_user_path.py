@@ -54,8 +54,7 @@ def _kill_a_worker_after(proc, model_dir, step):
   assert proc.returncode != 0, out[-3000:]
 
 
-@pytest.mark.parametrize("save_freq,delete,double", [("epoch", "1", "1"), ("epoch", "0", "0"),
-                                                     ("5", "1", "0"), ("5", "0", "0")])
+@pytest.mark.parametrize("save_freq,delete,double", [("epoch", "1", "1"), ("5", "0", "0")])
 def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, save_freq,
                                                                     delete, double):
   backup = str(tmp_path / "backup")
@@ -68,9 +67,9 @@ def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, sa
   assert len(finals) == 2, out[-4000:]  # both workers finished and evaluated
   restored = int(finals[0][2])
   assert restored >= 40 and {r for _, _, r in finals} == {str(restored)}
-  # Under plain model.fit the epochs not completed are run whole (Keras's
-  # semantics): 8 epochs of 16 steps, the restored epoch from its first batch.
-  assert {step for _, step, _ in finals} == {str(restored + (8 - restored // 16) * 16)}
+  # The backup holds the data position: the interrupted epoch is finished,
+  # not rerun, so the run is 8 epochs of 16 steps in all.
+  assert {step for _, step, _ in finals} == {str(8 * 16)}
   assert all(float(acc) > 0.8 for acc, _, _ in finals), finals
   if delete == "1":
     assert not os.path.exists(backup)

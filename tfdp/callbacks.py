@@ -6,9 +6,11 @@ import time
 from absl import logging
 import keras
 import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
 
 from tfdp import cluster
 from tfdp import errors
+from tfdp import fit_hooks
 from tfdp import preemption
 from tfdp import state as state_lib
 from tfdp.checkpoint import CheckpointManager
@@ -17,20 +19,67 @@ from tfdp.checkpoint import policy as policy_lib
 # Name of the completed-epoch counter a BackupAndRestore adds to its state
 # (Keras's callback keeps the same number in its training metadata).
 EPOCH_KEY = "keras_epoch"
+# Steps of the current epoch done (-1: unknown, a backup without it), and the
+# [workers, replicas] whose data positions a backup holds ([0, 0]: none).
+STEP_IN_EPOCH_KEY = "keras_step_in_epoch"
+DATA_TOPOLOGY_KEY = "data_topology"
+# The per-worker state key of the data position.
+DATA_KEY = "data"
 
 
 def _iterations(model) -> int:
   return int(model.optimizer.iterations.numpy())
 
 
-def _save_if_due(manager, decision, step, previous_step, **when) -> bool:
+def _save_if_due(manager, decision, step, previous_step, metrics=None, **when) -> bool:
   """Saves at `step` (every worker) when `decision` says so; returns whether it saved."""
   ctx = policy_lib.SaveContext(step=step, previous_step=previous_step,
                                last_saved_step=manager.last_saved_step, **when)
   if not decision.should_save(ctx):
     return False
-  manager.save(checkpoint_number=step)
+  manager.save(checkpoint_number=step, metrics=metrics)
   return True
+
+
+def _topology(strategy) -> list[int]:
+  return [cluster.resolve(strategy).count, strategy.num_replicas_in_sync]
+
+
+class _DataPosition(trackable_base.Trackable):
+  """A backup's per-worker part: where this worker's training data is.
+
+  Saved with every backup (each worker under its own key, in the same commit
+  as the variables, taken at the same step); restored into the iterator the
+  resumed `fit` makes first.
+  """
+
+  def __init__(self, callback):
+    self._callback = callback
+    self.restored = None
+    self._warned = False
+
+  def _serialize_to_tensors(self):
+    cb = self._callback
+    run = fit_hooks.current(cb.model) if cb.model is not None else None
+    state, made, kind = b"", 0, "none"
+    if run is not None and run.dataset is not None:
+      it = run.next_iterator(at_epoch_end=int(cb._step_in_epoch.numpy()) == 0)  # pylint: disable=protected-access
+      made, kind = run.dataset.iterators_made, "fresh"
+      if it is not None:
+        made = it._index - 1  # pylint: disable=protected-access
+        try:
+          state, kind = it.state(), "iterator"
+        except errors.CheckpointError as e:
+          kind = "none"
+          if not self._warned:
+            self._warned = True
+            logging.warning("tfdp: backups will not hold the data position: %s", e)
+    return {"state": tf.constant(state), "made": tf.constant(made, tf.int64),
+            "kind": tf.constant(kind)}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self.restored = {k: v.numpy() for k, v in restored_tensors.items()}
+    return []
 
 
 class CheckpointEvery(keras.callbacks.Callback):
@@ -81,12 +130,18 @@ class BackupAndRestore(keras.callbacks.Callback):
   `SeedGenerator`s), saved through a sharded `tfdp.CheckpointManager`
   numbered by the global step. Every worker of a multi-worker job must use it.
 
-  With `tfdp.fit(model, make_dataset, ...)` the backup is restored once,
-  before the dataset is made, so the data starts at the restored step and
-  the run continues bitwise as if never stopped. Under plain `model.fit`, a
-  backup from the middle of an epoch restarts that epoch's data from its
-  first batch (as Keras's does), because `fit` made its iterator before any
-  callback ran.
+  A backup also holds each worker's data position: under plain
+  `model.fit(dataset, ...)` with any `tf.data` pipeline (or arrays), the
+  iterator's state (shuffle buffers and their RNG, interleave cycles,
+  prefetched elements) is saved per worker with the variables, and a `fit`
+  resumed from the middle of an epoch runs the rest of that epoch on exactly
+  the batches it would have seen (Keras's own callback restarts the epoch).
+  This needs `tfdp.compat` (applied by `import tfdp`) and the same number of
+  workers and replicas as the backup's; inputs tf.data cannot serialize
+  (Python generators, `PyDataset`) restart the interrupted epoch, with a
+  warning. With `tfdp.fit(model, make_dataset, ...)` and a `tfdp.data`
+  source, the backup is restored before the dataset is made, which works on
+  any number of workers.
 
   Args:
     backup_dir: directory of the backups (shared by all workers; used by
@@ -113,11 +168,22 @@ class BackupAndRestore(keras.callbacks.Callback):
       None keeps all).
     max_shard_bytes: cap on each data file a worker writes.
     save_at_end: also save when training completes (before any deletion).
+    keep_best: also keep the best K backups by a metric, as
+      `tfdp.CheckpointManager`'s (e.g. "val_loss:min:3"); the metrics are the
+      epoch's logs and those given to `note_metrics()`.
+    restart_epoch_data: resume a backup taken on another number of workers
+      or replicas by restarting the interrupted epoch's data (its data
+      positions cannot be split over another topology); otherwise such a
+      resume raises ConfigError.
 
   Raises:
     ValueError (a `tfdp.errors.ConfigError`): an empty backup_dir or an
       invalid save_freq, as Keras's callback.
   """
+
+  # tfdp.compat gives the training data of a fit with this callback
+  # checkpointable iterators (tfdp.fit_hooks).
+  wants_data_state = True
 
   def __init__(self, backup_dir: str, save_freq: str | int | bool = "epoch",
                double_checkpoint: bool = False, delete_checkpoint: bool = True, *,
@@ -125,7 +191,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                preemption_grace_seconds: float = preemption.DEFAULT_GRACE_SECONDS,
                run_config: dict | None = None, allow_config_mismatch: bool = False,
                async_save: bool = False, max_to_keep: int | None = -1,
-               max_shard_bytes: int | None = None, save_at_end: bool = False):
+               max_shard_bytes: int | None = None, save_at_end: bool = False,
+               keep_best=None, restart_epoch_data: bool = False):
     super().__init__()
     if not backup_dir:
       raise errors.ConfigError("Empty `backup_dir` argument passed to BackupAndRestore.")
@@ -142,6 +209,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.max_to_keep = (2 if double_checkpoint else 1) if max_to_keep == -1 else max_to_keep
     self.max_shard_bytes = max_shard_bytes
     self.save_at_end = save_at_end
+    self.keep_best = keep_best
+    self.restart_epoch_data = restart_epoch_data
+    self._metrics = {}
+    self._data = _DataPosition(self)
     self._decision = policy_lib.AnyOf(tuple(policies) + (
         policy_lib.OnPreemption(),) + ((policy_lib.AtTrainEnd(),) if save_at_end else ()))
     self.state = None
@@ -174,10 +245,17 @@ class BackupAndRestore(keras.callbacks.Callback):
       if self.state is None or self.state.model is not model:
         self.state = state_lib.TrainState(model, run_config=self.run_config)
         self._epoch = tf.Variable(-1, dtype=tf.int64, trainable=False, name=EPOCH_KEY)
+        self._step_in_epoch = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                          name=STEP_IN_EPOCH_KEY)
+        self._data_topology = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
+                                          name=DATA_TOPOLOGY_KEY)
         setattr(self.state.checkpoint, EPOCH_KEY, self._epoch)
+        setattr(self.state.checkpoint, STEP_IN_EPOCH_KEY, self._step_in_epoch)
+        setattr(self.state.checkpoint, DATA_TOPOLOGY_KEY, self._data_topology)
     self.manager = CheckpointManager(
         self.state.checkpoint, self.backup_dir, max_to_keep=self.max_to_keep,
         async_save=self.async_save, max_shard_bytes=self.max_shard_bytes,
+        keep_best=self.keep_best, per_worker={DATA_KEY: self._data},
         strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"))
 
   def restore(self, model: keras.Model | None = None) -> int | None:
@@ -190,6 +268,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     model = model or self.model
     self._ensure_manager(model)
     self._epoch.assign(-1)
+    self._step_in_epoch.assign(-1)
+    self._data_topology.assign([0, 0])
+    self._data.restored = None
 
     def check(prefix):
       for diff in state_lib.check_checkpoint(self.state, prefix, self.allow_config_mismatch):
@@ -237,11 +318,55 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Saves a backup at the current global step (every worker must call it)."""
     step = _iterations(self.model) if step is None else step
     if self.manager.last_saved_step != step:
-      self.manager.save(checkpoint_number=step)
+      self.manager.save(checkpoint_number=step, metrics=self._metrics)
     return self.manager.latest_checkpoint
 
+  def note_metrics(self, metrics: dict) -> None:
+    """Metrics (name -> number) stored with the next backups, for `keep_best`."""
+    for name, value in metrics.items():
+      try:
+        self._metrics[str(name)] = float(value)
+      except (TypeError, ValueError):
+        pass  # Not a number (e.g. a learning-rate schedule's config).
+
+  def _resume_data(self):
+    """Puts the restored data position into this fit's input (after restore)."""
+    run = fit_hooks.current(self.model)
+    position, self._data.restored = self._data.restored, None
+    if run is None or self.restored_step is None:
+      return
+    steps = int(self._step_in_epoch.numpy())
+    saved = [int(v) for v in self._data_topology.numpy()]
+    now = _topology(self.model.distribute_strategy)
+    if saved[0] and saved != now:
+      message = (f"the backup in {self.backup_dir} holds the data positions of "
+                 f"{saved[0]} worker(s) with {saved[1]} replica(s) in all, this job "
+                 f"has {now[0]} with {now[1]}; a data position cannot be split over "
+                 "another topology")
+      if not self.restart_epoch_data:
+        raise errors.ConfigError(
+            f"{message}. Resume with the same number of workers and replicas, use "
+            "a tfdp.data source with tfdp.fit (topology-independent), or pass "
+            "BackupAndRestore(..., restart_epoch_data=True) to restart the "
+            "interrupted epoch's data.")
+      logging.warning("tfdp: %s; restarting the interrupted epoch's data.", message)
+      return
+    if run.dataset is None or not saved[0] or position is None or (
+        position["kind"] == b"none") or steps < 0:
+      reason = (run.not_saved_reason if run.dataset is None else
+                "the backup holds no data position (an older backup, or an input "
+                "tf.data could not save)")
+      logging.warning("tfdp: %s; the interrupted epoch restarts from its first batch.",
+                      reason)
+      return
+    run.dataset.set_pending(position["state"] if position["kind"] == b"iterator" else None,
+                            int(position["made"]))
+    run.skip_steps(steps)
+    logging.info("Resuming the data at step %d of epoch %d.", steps, int(self._epoch.numpy()))
+
   def _save_for_preemption(self, step):
-    _save_if_due(self.manager, self._decision, step, self._previous, preempted=True)
+    _save_if_due(self.manager, self._decision, step, self._previous, self._metrics,
+                 preempted=True)
     # Releases the directory too: the job restarted elsewhere takes it at once.
     self.manager.close()
     self._preempted = True
@@ -253,23 +378,31 @@ class BackupAndRestore(keras.callbacks.Callback):
       epoch = self.completed_epochs((self.params or {}).get("steps"))
       if epoch is not None:
         self.model._initial_epoch = epoch  # pylint: disable=protected-access
+      self._resume_data()
       self._preempted = False
       if self._preemption is not None:
         self._preemption.handler.install()
     self._ensure_manager(self.model)
+    run = fit_hooks.current(self.model)
+    self._data_topology.assign(
+        _topology(self.model.distribute_strategy) if run is not None and run.dataset is not None
+        else [0, 0])
     self._previous = _iterations(self.model)
 
   def on_train_batch_end(self, batch, logs=None):
+    self._step_in_epoch.assign(batch + 1)
     step = _iterations(self.model)
-    _save_if_due(self.manager, self._decision, step, self._previous)
+    _save_if_due(self.manager, self._decision, step, self._previous, self._metrics)
     self._previous = step
     if self._preemption is not None:
       self._preemption.on_train_batch_end(batch, logs)
 
   def on_epoch_end(self, epoch, logs=None):
     self._epoch.assign(epoch + 1)
+    self._step_in_epoch.assign(0)
+    self.note_metrics(logs or {})
     _save_if_due(self.manager, self._decision, _iterations(self.model), self._previous,
-                 epoch_end=True)
+                 self._metrics, epoch_end=True)
 
   def on_train_end(self, logs=None):
     self.manager.wait_until_finished()
@@ -283,7 +416,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     if self.manager is None or self._preempted:
       return
     _save_if_due(self.manager, self._decision, _iterations(model), self._previous,
-                 train_end=True)
+                 self._metrics, train_end=True)
     self.manager.close()  # Waits for the last save; releases the directory.
     if not self.delete_checkpoint:
       return  # A later save takes the directory again.

@@ -14,8 +14,10 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.layers import layer as keras_layer
+from keras.src.trainers import epoch_iterator as epoch_iterator_lib
 
 from tfdp import cluster
+from tfdp import fit_hooks
 
 # Versions every fix was written against and tested on (prefixes).
 TESTED_KERAS = "3.15."
@@ -370,6 +372,66 @@ def _install_non_trainable_mean_aggregation():
 
 
 # ---------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------
+# Hooks: the training data's position under plain `fit`; chief-only output.
+
+
+@_register(
+    "fit_data_state",
+    looks_as_expected=lambda: _source_contains(
+        epoch_iterator_lib.EpochIterator._enumerate_iterator,  # pylint: disable=protected-access
+        "self._current_iterator = iter(self._get_iterator())",
+        "range(0, steps_per_epoch, self.steps_per_execution)",
+    ) and _source_contains(tf_trainer.TFEpochIterator.__init__, "experimental_distribute_dataset"),
+)
+def _install_fit_data_state():
+  """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer.fit, TFEpochIterator.
+
+  Upstream makes the training data's distributed iterator inside `fit`
+  before any callback runs; TF cannot checkpoint it, and `fit` always starts
+  an epoch at its first step. With a callback that asks for the data position
+  (`tfdp.callbacks.BackupAndRestore`), the patch gives the `tf.data` input
+  checkpointable iterators (`tfdp.iterators`), lets the callback find them
+  (`tfdp.fit_hooks.current`), and lets it start the resumed epoch at the
+  restored step.
+  """
+  undo = [
+      _patch_attr(tf_trainer.TensorFlowTrainer, "fit",
+                  fit_hooks.wrap_fit(tf_trainer.TensorFlowTrainer.__dict__["fit"]),
+                  "fit_data_state"),
+      _patch_attr(tf_trainer.TFEpochIterator, "__init__",
+                  fit_hooks.wrap_epoch_iterator_init(tf_trainer.TFEpochIterator.__dict__["__init__"]),
+                  "fit_data_state"),
+      _patch_attr(epoch_iterator_lib.EpochIterator, "_enumerate_iterator",
+                  fit_hooks.wrap_enumerate_iterator(
+                      epoch_iterator_lib.EpochIterator.__dict__["_enumerate_iterator"]),
+                  "fit_data_state"),
+  ]
+  return lambda: [u() for u in reversed(undo)]
+
+
+@_register(
+    "chief_only_verbose",
+    looks_as_expected=lambda: all(
+        "verbose" in inspect.signature(getattr(tf_trainer.TensorFlowTrainer, m)).parameters
+        for m in ("evaluate", "predict")),
+)
+def _install_chief_only_verbose():
+  """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer.evaluate, predict (and fit).
+
+  Upstream prints a progress bar on every worker of a multi-worker job. The
+  patch makes `verbose="auto"` (the default) mean 0 on non-chief workers; an
+  explicit verbose is kept. `fit` gets it from the `fit_data_state` hook.
+  """
+  undo = [
+      _patch_attr(tf_trainer.TensorFlowTrainer, m,
+                  fit_hooks.wrap_quiet(tf_trainer.TensorFlowTrainer.__dict__[m]),
+                  "chief_only_verbose")
+      for m in ("evaluate", "predict")
+  ]
+  return lambda: [u() for u in reversed(undo)]
 
 
 def disabled_fixes() -> frozenset[str]:

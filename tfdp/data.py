@@ -1,4 +1,4 @@
-"""Deterministic, position-addressable input: the batch at step k is a pure function of (seed, k)."""
+"""Input that resumes exactly: position-addressable sources, and checkpointable iterators of any tf.data pipeline."""
 
 import dataclasses
 import os
@@ -9,6 +9,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import errors
+# Any tf.data pipeline, distributed with iterators whose position is saved.
+from tfdp.iterators import checkpointable  # pylint: disable=unused-import
 
 # `fn(batch, step) -> batch`, a pure function of its inputs (e.g. masking or
 # augmentation seeded by the step), applied to each per-replica batch.

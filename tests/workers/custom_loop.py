@@ -1,4 +1,4 @@
-"""A TF-tutorial custom training loop with tfdp.CheckpointManager (built outside the scope, as tutorials do).
+"""A TF-tutorial custom training loop with tfdp.CheckpointManager (built outside the scope, as tutorials do) and its tf.data iterator in the checkpoint.
 
 Usage: custom_loop.py CKPT_DIR OUT_NPZ. Trains 40 steps of a small MLP under
 tfdp.make_strategy(), saving every 10 steps; env TFDP_CKPT_TEST_CRASH_AT
@@ -36,11 +36,13 @@ def main(ckpt_dir, out):
     optimizer = keras.optimizers.Adam(1e-2)
     optimizer.build(model.trainable_variables)
   state = tfdp.TrainState(model, optimizer)
-  manager = tfdp.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=2)
+  # The tutorial's pipeline; its iterator is saved per worker with the state.
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=3).repeat().batch(BATCH)
+  dist = iter(tfdp.data.checkpointable(dataset, strategy))
+  manager = tfdp.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=2,
+                                   per_worker={"data": dist})
   manager.restore_or_initialize()
   start = state.step
-  dist = iter(tfdp.data.distribute(strategy, tfdp.data.ArraySource((x, y)),
-                                   global_batch_size=BATCH, seed=3, start_step=start))
 
   @tf.function
   def train_step(batch):

@@ -1,0 +1,121 @@
+"""A plain Keras script on a TFRecord pipeline, converted to tfdp as the README says.
+
+Usage: data_resume.py OUT_ROOT MODES [CPU_REPLICAS]. MODES: comma-separated,
+each trained in turn into OUT_ROOT/MODE: `repeat` (a repeated
+dataset with steps_per_epoch: one iterator across epochs), `finite` (a new
+iterator each epoch, unknown cardinality), `arrays` (numpy arrays straight
+to fit) or `data` (auto-shard policy DATA instead of FILE). The pipeline is
+TFRecord files, interleave, shuffle(buffer, seed), a map with stateless
+augmentation, batch and prefetch; the model has dropout; TF op determinism
+is on. Env TFDP_TEST_KILL_AT=N: the process SIGKILLs itself after global step
+N (on worker TFDP_TEST_KILL_WORKER, default every worker). Writes each
+worker's final weights to OUT_ROOT/MODE/weights-<worker>.npy.
+"""
+
+import os
+import signal
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+import tfdp
+
+NUM_FILES = 4
+PER_FILE = 48
+BATCH = 16
+
+
+def write_records(data_dir):
+  """The dataset's files (written once; a concurrent writer's rename wins)."""
+  os.makedirs(data_dir, exist_ok=True)
+  paths = []
+  for f in range(NUM_FILES):
+    path = os.path.join(data_dir, f"part-{f}.tfrecord")
+    paths.append(path)
+    if os.path.exists(path):
+      continue
+    rng = np.random.default_rng(f)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with tf.io.TFRecordWriter(tmp) as w:
+      for _ in range(PER_FILE):
+        x = rng.normal(size=8).astype("float32")
+        w.write(tf.train.Example(features=tf.train.Features(feature={
+            "x": tf.train.Feature(float_list=tf.train.FloatList(value=x)),
+            "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(x.sum() > 0)])),
+        })).SerializeToString())
+    os.replace(tmp, path)
+  return paths
+
+
+def parse(record):
+  e = tf.io.parse_single_example(record, {"x": tf.io.FixedLenFeature([8], tf.float32),
+                                          "y": tf.io.FixedLenFeature([], tf.int64)})
+  return e["x"], e["y"]
+
+
+def augment(x, y):
+  seed = tf.stack([tf.cast(tf.reduce_sum(tf.abs(x)) * 1000, tf.int32), 1])
+  return x + 0.1 * tf.random.stateless_normal([8], seed=seed), y
+
+
+def make_dataset(paths, mode):
+  ds = tf.data.Dataset.from_tensor_slices(paths).interleave(
+      tf.data.TFRecordDataset, cycle_length=2)
+  ds = ds.map(parse).shuffle(64, seed=3).map(augment).batch(BATCH)
+  if mode == "repeat":
+    ds = ds.repeat()
+  if mode == "data":
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    ds = ds.with_options(options)
+  return ds.prefetch(2)
+
+
+class KillAt(keras.callbacks.Callback):
+  """SIGKILLs this process after global step $TFDP_TEST_KILL_AT (after its callbacks' saves)."""
+
+  def __init__(self, worker):
+    super().__init__()
+    self.worker = worker
+
+  def on_train_batch_end(self, batch, logs=None):
+    at = int(os.environ.get("TFDP_TEST_KILL_AT", "-1"))
+    who = os.environ.get("TFDP_TEST_KILL_WORKER")
+    if at == int(self.model.optimizer.iterations.numpy()) and who in (None, str(self.worker)):
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(out_dir, mode, strategy, worker):
+  keras.utils.set_random_seed(7)
+  paths = write_records(os.path.join(os.path.dirname(out_dir), "records"))
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dropout(0.3), keras.layers.Dense(2)])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  backup = tfdp.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=3)
+  callbacks = [backup, KillAt(worker)]
+  if mode == "arrays":
+    x, y = zip(*make_dataset(paths, "finite").unbatch().as_numpy_iterator())
+    model.fit(np.stack(x), np.array(y), batch_size=BATCH, epochs=3, callbacks=callbacks,
+              verbose=0)
+  else:
+    kwargs = {"steps_per_epoch": 5} if mode == "repeat" else {}
+    model.fit(make_dataset(paths, mode), epochs=3, callbacks=callbacks, verbose=0, **kwargs)
+  np.save(os.path.join(out_dir, f"weights-{worker}.npy"),
+          np.concatenate([w.numpy().ravel() for w in model.weights]))
+  print(f"RESULT mode={mode} worker={worker} steps={int(model.optimizer.iterations.numpy())} "
+        f"restored={backup.restored_step}", flush=True)
+
+
+def main(out_root, modes, cpu_replicas=1):
+  strategy = tfdp.make_strategy(cpu_replicas=int(cpu_replicas))
+  tf.config.experimental.enable_op_determinism()
+  worker = tfdp.cluster.resolve(strategy).index
+  for mode in modes.split(","):
+    train(os.path.join(out_root, mode), mode, strategy, worker)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

@@ -1,0 +1,184 @@
+"""What a running `model.fit` holds that tfdp's callbacks need: its epoch iterator and its data.
+
+Keras makes the training data's iterator inside `fit`, before any callback
+runs, and gives callbacks no handle on it. `tfdp.compat` installs the hooks
+below (version-gated, revertible) so that while `fit` runs:
+
+- `current(model)` returns the `FitRun`: Keras's training `TFEpochIterator`
+  and, when a callback asked for the data position (`wants_data_state`), the
+  `tfdp.iterators.CheckpointableDataset` that replaced Keras's distributed
+  dataset (same elements, checkpointable iterators);
+- `FitRun.skip_steps(n)` makes the next epoch start at step n without taking
+  any data (the restored iterator is already there);
+- non-chief workers default to `verbose=0` in `fit`, `evaluate`, `predict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import threading
+
+from absl import logging
+import tensorflow as tf
+
+from tfdp import cluster
+from tfdp import iterators
+
+_runs = threading.local()
+
+# Keras's adapters whose tf.data pipeline tf.data can serialize. Others
+# (generators, PyDataset, grain, torch) run Python code tf.data cannot save.
+_SERIALIZABLE_ADAPTERS = ("TFDatasetAdapter", "ArrayDataAdapter")
+
+
+@dataclasses.dataclass
+class FitRun:
+  """One `model.fit` call in progress."""
+  model: object
+  wants_data_state: bool
+  epoch_iterator: object = None
+  dataset: iterators.CheckpointableDataset | None = None
+  not_saved_reason: str | None = None
+
+  def skip_steps(self, steps: int) -> None:
+    """The next epoch starts at step `steps` (its earlier steps are done; no data is taken)."""
+    if self.epoch_iterator is not None:
+      self.epoch_iterator._tfdp_skip_steps = int(steps)  # pylint: disable=protected-access
+
+  def next_iterator(self, at_epoch_end: bool):
+    """The iterator the next training step takes its batch from; None: one Keras will make.
+
+    Mid-epoch it is the newest iterator. At the end of an epoch Keras keeps
+    its iterator for the next epoch only with `steps_per_epoch` and data left
+    (keras/src/trainers/epoch_iterator.py `_enumerate_iterator`).
+    """
+    if self.dataset is None:
+      return None
+    if not at_epoch_end:
+      return self.dataset.current
+    ei = self.epoch_iterator
+    if ei.steps_per_epoch is None or ei._current_iterator is None:  # pylint: disable=protected-access
+      return None
+    return ei._current_iterator  # pylint: disable=protected-access
+
+
+def _stack():
+  if not hasattr(_runs, "stack"):
+    _runs.stack = []
+  return _runs.stack
+
+
+def current(model) -> FitRun | None:
+  """The innermost `fit` of `model` running in this thread, or None."""
+  for run in reversed(_stack()):
+    if run.model is model:
+      return run
+  return None
+
+
+def _is_chief(model) -> bool:
+  try:
+    return cluster.resolve(model.distribute_strategy).is_chief
+  except Exception:  # pylint: disable=broad-except
+    return True  # Output is never a reason to fail.
+
+
+def _quiet_unless_chief(bound):
+  if bound.arguments.get("verbose", "auto") == "auto" and not _is_chief(bound.arguments["self"]):
+    bound.arguments["verbose"] = 0
+
+
+def wrap_fit(original):
+  """`Trainer.fit` that records the FitRun (and is quiet on non-chief workers)."""
+  signature = inspect.signature(original)
+
+  @functools.wraps(original)
+  def fit(self, *args, **kwargs):
+    bound = signature.bind(self, *args, **kwargs)
+    _quiet_unless_chief(bound)
+    callbacks = bound.arguments.get("callbacks") or []
+    if isinstance(callbacks, (list, tuple)):
+      wants = any(getattr(c, "wants_data_state", False) for c in callbacks)
+    else:  # A CallbackList.
+      wants = any(getattr(c, "wants_data_state", False) for c in callbacks.callbacks)
+    _stack().append(FitRun(self, wants))
+    try:
+      return original(*bound.args, **bound.kwargs)
+    finally:
+      _stack().pop()
+
+  return fit
+
+
+def wrap_quiet(original):
+  """`Trainer.evaluate`/`predict` that default to `verbose=0` on non-chief workers."""
+  signature = inspect.signature(original)
+
+  @functools.wraps(original)
+  def method(self, *args, **kwargs):
+    bound = signature.bind(self, *args, **kwargs)
+    _quiet_unless_chief(bound)
+    return original(*bound.args, **bound.kwargs)
+
+  return method
+
+
+def wrap_epoch_iterator_init(original):
+  """`TFEpochIterator.__init__` that gives the fit's training data checkpointable iterators."""
+
+  @functools.wraps(original)
+  def __init__(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    stack = _stack()
+    run = stack[-1] if stack else None
+    # The first epoch iterator a fit makes is its training data's.
+    if run is None or run.epoch_iterator is not None:
+      return
+    run.epoch_iterator = self
+    if run.wants_data_state:
+      _swap_in_checkpointable(run, self)
+
+  return __init__
+
+
+def _swap_in_checkpointable(run: FitRun, epoch_iterator) -> None:
+  adapter = type(epoch_iterator.data_adapter).__name__
+  strategy = epoch_iterator._distribute_strategy  # pylint: disable=protected-access
+  if adapter not in _SERIALIZABLE_ADAPTERS:
+    run.not_saved_reason = f"a {adapter} input runs Python code tf.data cannot save"
+    return
+  dataset = epoch_iterator.data_adapter.get_tf_dataset()
+  if not isinstance(dataset, tf.data.Dataset):
+    run.not_saved_reason = ("the input is already a distributed dataset; make it with "
+                            "tfdp.data.checkpointable(dataset, strategy)")
+    if isinstance(epoch_iterator._distributed_dataset, iterators.CheckpointableDataset):  # pylint: disable=protected-access
+      run.dataset, run.not_saved_reason = epoch_iterator._distributed_dataset, None  # pylint: disable=protected-access
+    return
+  if not isinstance(epoch_iterator._distributed_dataset, tf.distribute.DistributedDataset):  # pylint: disable=protected-access
+    run.not_saved_reason = f"{type(strategy).__name__} does not distribute datasets"
+    return
+  # Keras shuffles arrays with tf.random.shuffle, which draws the same
+  # permutation in every new iterator; its kernel state needs no saving.
+  policy = (tf.data.experimental.ExternalStatePolicy.IGNORE
+            if adapter == "ArrayDataAdapter" else None)
+  run.dataset = iterators.checkpointable(dataset, strategy, external_state_policy=policy)
+  epoch_iterator._distributed_dataset = run.dataset  # pylint: disable=protected-access
+  logging.info("tfdp: the training data of this fit saves its position with each backup.")
+
+
+def wrap_enumerate_iterator(original):
+  """`EpochIterator._enumerate_iterator` that can start an epoch at a later step."""
+
+  @functools.wraps(original)
+  def _enumerate_iterator(self):
+    skip = getattr(self, "_tfdp_skip_steps", 0)
+    self._tfdp_skip_steps = 0
+    for item in original(self):
+      if skip > 0:  # Counted as seen by Keras; its data is already consumed.
+        skip -= self.steps_per_execution
+        continue
+      yield item
+
+  return _enumerate_iterator

@@ -1,0 +1,300 @@
+"""Checkpointable distributed iterators for any `tf.data` pipeline, one state per worker.
+
+TensorFlow cannot checkpoint the iterator of a distributed dataset: the
+per-worker iterator inside a `DistributedIterator` is an
+`OwnedMultiDeviceIterator`, which has no serialization and holds elements
+already taken from the pipeline in its per-device buffers. `checkpointable`
+keeps everything else of TF's distributed dataset (its auto-sharding over
+workers, its rebatching into per-replica batches, its handling of partial
+batches at the end of a finite dataset and the cross-worker agreement on that
+end) and replaces only that per-worker iterator: a plain `tf.data` iterator on
+the worker's host, from which each step takes one element per local replica,
+in the order TF's multi-device iterator hands them out (element k to local
+replica k mod n). Nothing is in flight outside the pipeline, so the state of
+that one iterator (which `tf.data` serializes with its shuffle buffers, RNG
+state, interleave cycle and prefetched elements) is the exact data position.
+"""
+
+from __future__ import annotations
+
+import threading
+from absl import logging
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.data.ops import iterator_ops
+from tensorflow.python.data.ops import options as options_lib
+from tensorflow.python.distribute import input_lib
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import gen_dataset_ops
+from tensorflow.python.trackable import base as trackable_base
+
+from tfdp import errors
+
+
+
+class _HostFedWorkerIterator(input_lib._SingleWorkerOwnedDatasetIterator):  # pylint: disable=protected-access
+  """One worker's iterator: a host `tf.data` iterator feeding the local replicas."""
+
+  def _make_iterator(self):
+    with ops.device(self._worker):
+      self._iterator = iter(self._dataset)
+
+  def _on_device(self, device, value):
+    with ops.device(device):
+      return tf.nest.map_structure(tf.identity, value, expand_composites=True)
+
+  def get_next(self, device, name=None):
+    del name
+    with ops.device(self._worker):
+      return self._on_device(device, self._iterator.get_next())
+
+  def get_next_as_list(self, name=None):
+    del name
+    # Ops on one iterator resource run in program order (automatic control
+    # dependencies), so replica j gets the j-th element, as with TF's
+    # multi-device iterator.
+    with ops.device(self._worker):
+      return [self._on_device(d, self._iterator.get_next()) for d in self._devices]
+
+  def get_next_as_optional_list(self):
+    # TF's caller takes each value under its replica's device scope.
+    with ops.device(self._worker):
+      return [self._iterator.get_next_as_optional() for _ in self._devices]
+
+  @property
+  def _type_spec(self):
+    return _HostFedWorkerIteratorSpec(self._worker, self._devices, self._element_spec,
+                                      self._options, self._canonicalize_devices)
+
+
+class _HostFedWorkerIteratorSpec(input_lib._SingleWorkerDatasetIteratorSpec):  # pylint: disable=protected-access
+  """TypeSpec of `_HostFedWorkerIterator` (one plain iterator resource)."""
+
+  @property
+  def value_type(self):
+    return _HostFedWorkerIterator
+
+  @property
+  def _component_specs(self):
+    return [iterator_ops.IteratorSpec(element_spec=self._element_spec)]
+
+  def _from_components(self, components):
+    return _HostFedWorkerIterator(
+        dataset=None, worker=self._worker, devices=self._devices, components=components,
+        element_spec=self._element_spec, options=self._options,
+        canonicalize_devices=self._canonicalize_devices)
+
+  @staticmethod
+  def from_value(value):
+    return value._type_spec  # pylint: disable=protected-access
+
+
+class _CheckpointableIteratorSpec(input_lib.DistributedIteratorSpec):
+  """TypeSpec of `CheckpointableIterator`: passes through `tf.function` like TF's."""
+
+  @property
+  def value_type(self):
+    return CheckpointableIterator
+
+  @property
+  def _component_specs(self):
+    return [_HostFedWorkerIteratorSpec(s._worker, s._devices, s._element_spec, s._options,  # pylint: disable=protected-access
+                                       s._canonicalize_devices)  # pylint: disable=protected-access
+            for s in super()._component_specs]
+
+  def _from_components(self, components):
+    it = CheckpointableIterator(
+        input_workers=self._input_workers, iterators=None, components=components,
+        element_spec=self._element_spec, strategy=self._strategy,
+        cardinality=self._cardinality,
+        enable_get_next_as_optional=self._enable_get_next_as_optional,
+        options=self._options, replica_order=self._replica_order)
+    return it
+
+  @staticmethod
+  def from_value(value):
+    return value._type_spec  # pylint: disable=protected-access
+
+
+class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Trackable):
+  """A `tf.distribute` iterator whose position can be saved and restored.
+
+  It yields what `iter(strategy.experimental_distribute_dataset(ds))` yields,
+  and is a trackable: put it in a `tf.train.Checkpoint` on one worker, or in
+  the `per_worker` state of a `tfdp.CheckpointManager` in a multi-worker job
+  (its state differs between workers). `state()` / `restore_state()` give the
+  serialized position of this worker's part.
+  """
+
+  _dataset: "CheckpointableDataset | None" = None
+  _index: int = 0  # 1 for the first iterator its dataset made.
+
+  @property
+  def _type_spec(self):
+    return _CheckpointableIteratorSpec(
+        self._input_workers, self._element_spec, self._strategy, self._options,
+        cardinality=self._cardinality,
+        enable_get_next_as_optional=self._enable_get_next_as_optional,
+        replica_order=self._replica_order)
+
+  def _resources(self):
+    return [w._iterator._iterator_resource for w in self._iterators]  # pylint: disable=protected-access
+
+  def state(self) -> bytes:
+    """The serialized position of this worker's iterator (bytes)."""
+    (resource,) = self._resources()
+    policy = self._dataset.external_state_policy if self._dataset else (
+        options_lib.ExternalStatePolicy.FAIL)
+    try:
+      variant = gen_dataset_ops.serialize_iterator(resource, policy.value)
+    except tf.errors.FailedPreconditionError as e:
+      raise errors.CheckpointError(
+          f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. "
+          "A transformation holds state tf.data cannot serialize (a stateful "
+          "op in a map, e.g. tf.random.* without a seed; use tf.random.stateless_* "
+          "or set tf.data.Options().experimental_external_state_policy to "
+          "IGNORE to save the rest).") from None
+    return tf.io.serialize_tensor(variant).numpy()
+
+  def restore_state(self, state: bytes) -> None:
+    """Moves this worker's iterator to a position `state()` returned."""
+    (resource,) = self._resources()
+    gen_dataset_ops.deserialize_iterator(resource, tf.io.parse_tensor(state, tf.variant))
+
+  def _serialize_to_tensors(self):
+    return {"state": tf.constant(self.state())}
+
+  def _restore_from_tensors(self, restored_tensors):
+    self.restore_state(restored_tensors["state"].numpy())
+    return []
+
+
+class CheckpointableDataset(input_lib.DistributedDataset):
+  """A distributed dataset whose iterators are `CheckpointableIterator`s.
+
+  Made by `checkpointable()`. It counts the iterators it made (each draws new
+  seeds from the pipeline's `shuffle` seed generators), and it can be given a
+  saved position for the next iterator it makes (`set_pending`).
+  """
+
+  def _setup(self, external_state_policy):
+    self.external_state_policy = external_state_policy
+    self.iterators_made = 0
+    self.current = None
+    self._pending = None
+    self._lock = threading.Lock()
+
+  def set_pending(self, state: bytes | None, iterators_made: int) -> None:
+    """The next iterator made starts at `state` (None: fresh), as the `iterators_made`+1-th."""
+    with self._lock:
+      self._pending = (state, iterators_made)
+
+  def __iter__(self):
+    if not tf.executing_eagerly():
+      return super().__iter__()
+    with self._lock:
+      pending, self._pending = self._pending, None
+    if pending is not None:
+      # A fresh iterator draws the same shuffle seeds as the one it replaces
+      # only if as many iterators were made before it.
+      while self.iterators_made < pending[1]:
+        self._make()
+    it = self._make()
+    if pending is not None and pending[0]:
+      it.restore_state(pending[0])
+    return it
+
+  def _make(self):
+    canonicalize = getattr(self._strategy, "_canonicalize_devices", True)
+    workers = [
+        _HostFedWorkerIterator(dataset=ds, worker=worker, devices=devices,
+                               options=self._options, canonicalize_devices=canonicalize)
+        for ds, (worker, devices) in zip(
+            self._cloned_datasets,
+            ((w, self._input_workers.compute_devices_for_worker(i))
+             for i, w in enumerate(self._input_workers.worker_devices)))]
+    it = CheckpointableIterator(
+        self._input_workers, workers, self._strategy, cardinality=self._cardinality,
+        enable_get_next_as_optional=self._enable_get_next_as_optional,
+        options=self._options, replica_order=self._replica_order)
+    it._element_spec = self._element_spec  # pylint: disable=protected-access
+    it._dataset = self  # pylint: disable=protected-access
+    self.iterators_made += 1
+    it._index = self.iterators_made  # pylint: disable=protected-access
+    self.current = it
+    return it
+
+
+_SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
+             "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
+
+
+def nondeterminism(dataset: tf.data.Dataset) -> list[str]:
+  """Why the pipeline's order may differ between two runs (empty: it does not)."""
+  reasons = []
+  if dataset.options().deterministic is False:
+    reasons.append("tf.data.Options().deterministic is False")
+  graph = graph_pb2.GraphDef.FromString(
+      dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
+  nodes = {n.name: n for n in graph.node}
+  for node in graph.node:
+    if "deterministic" in node.attr and node.attr["deterministic"].s == b"false":
+      reasons.append(f"{node.op} has deterministic=False")
+    if node.op in _SHUFFLES:
+      seeds = [nodes.get(name.split(":")[0]) for name in node.input[2:4]]
+      if all(n is not None and n.op == "Const" and
+             not tf.make_ndarray(n.attr["value"].tensor).any() for n in seeds):
+        reasons.append("shuffle has no seed (and no global seed was set)")
+  return sorted(set(reasons))
+
+
+def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | None = None,
+                   options: tf.distribute.InputOptions | None = None, *,
+                   external_state_policy=None) -> CheckpointableDataset:
+  """Distributes `dataset` like `strategy.experimental_distribute_dataset`, with checkpointable iterators.
+
+  Use it where a custom loop calls `experimental_distribute_dataset`:
+
+      dist = tfdp.data.checkpointable(dataset, strategy)
+      iterator = iter(dist)
+      manager = tfdp.CheckpointManager(ckpt, directory, per_worker={"data": iterator})
+
+  Every element is the one TF's distributed dataset yields (the same
+  sharding over workers, the same split into per-replica batches). Elements
+  are copied to the replicas' devices inside the step, not prefetched to
+  them ahead of it.
+
+  Args:
+    dataset: a `tf.data.Dataset` of global batches (as for
+      `experimental_distribute_dataset`).
+    strategy: default: the strategy in scope.
+    options: `tf.distribute.InputOptions` (per-worker replication only).
+    external_state_policy: how to save state tf.data cannot serialize (a
+      `tf.data.experimental.ExternalStatePolicy`); default: the dataset's
+      option, or FAIL.
+
+  Returns:
+    A `CheckpointableDataset` (a `tf.distribute.DistributedDataset`).
+  """
+  strategy = strategy or tf.distribute.get_strategy()
+  if options is not None and (options.experimental_replication_mode
+                              != tf.distribute.InputReplicationMode.PER_WORKER):
+    raise errors.ConfigError(
+        "tfdp.data.checkpointable supports InputReplicationMode.PER_WORKER only.")
+  reasons = nondeterminism(dataset)
+  if reasons:
+    logging.warning(
+        "tfdp: an exact resume needs a deterministic input order, but %s; the "
+        "position is restored, the elements after it may differ from an "
+        "uninterrupted run's.", "; ".join(reasons))
+  dist = strategy.experimental_distribute_dataset(dataset, options)
+  if not isinstance(dist, input_lib.DistributedDataset):
+    raise errors.ConfigError(
+        f"{type(strategy).__name__} does not distribute through tf.distribute's "
+        "DistributedDataset; tfdp.data.checkpointable needs (MultiWorker)MirroredStrategy "
+        "or the default strategy.")
+  out = CheckpointableDataset.__new__(CheckpointableDataset)
+  out.__dict__.update(dist.__dict__)
+  policy = external_state_policy or dataset.options().experimental_external_state_policy
+  out._setup(policy or options_lib.ExternalStatePolicy.FAIL)  # pylint: disable=protected-access
+  return out
