@@ -31,7 +31,7 @@ __all__ = [
     "CLS_ID", "Dataset", "FileShardedSource", "IMAGE_MEAN", "IMAGE_STD", "MASK_ID",
     "MASK_RATE", "PAD_ID", "SEP_ID", "SYNTHETIC", "SYNTHETIC_TOPICS",
     "SYNTHETIC_TOPIC_WORDS", "SYNTHETIC_VOCAB_SIZE", "TEXT_PREFIX", "TFDS_PREFIX", "UNK_ID",
-    "check_name", "load", "masked_lm_transform", "synthetic_images",
+    "check_name", "eval_split", "load", "training_split", "masked_lm_transform", "synthetic_images",
     "synthetic_interactions", "synthetic_masked_lm", "text_corpus", "tfds_builder",
     "tfds_dataset", "worker_files_error", "worker_indices",
 ]
@@ -57,7 +57,10 @@ def load(name: str, *, task: str, seed: int = 0, num_examples: int = 2048,
     seq_len: tokens per masked-LM sequence.
     max_predictions: masked positions per sequence (default: 15% of seq_len).
     num_workers: workers of the job (recorded for file-sharded data).
-    split: TFDS split.
+    split: "train", or a held-out split (see `eval_split`): synthetic data
+      has "test" (examples disjoint from "train"); a TFDS dataset has the
+      splits it was prepared with; a text corpus has "test" (its last 10% of
+      lines), "train[:P%]" and "train[P%:]".
 
   Returns:
     A Dataset.
@@ -69,18 +72,50 @@ def load(name: str, *, task: str, seed: int = 0, num_examples: int = 2048,
   max_predictions = _text.default_max_predictions(seq_len, max_predictions)
   if name == SYNTHETIC:
     return _synthetic.for_task(task, num_examples=num_examples, image_size=image_size or 32,
-                               seq_len=seq_len, max_predictions=max_predictions, seed=seed)
+                               seq_len=seq_len, max_predictions=max_predictions, seed=seed,
+                               split=split)
   if name.startswith(TEXT_PREFIX):
     if task != models.MASKED_LM:
       raise errors.ConfigError(f"--dataset={name} is a text corpus; it feeds --model=bert only.")
     return _text.text_corpus(name[len(TEXT_PREFIX):], vocab_file=vocab_file, seq_len=seq_len,
-                             max_predictions=max_predictions, seed=seed)
+                             max_predictions=max_predictions, seed=seed, split=split)
   if name.startswith(TFDS_PREFIX):
     return _tfds.tfds_dataset(name[len(TFDS_PREFIX):], task=task, data_dir=data_dir,
                               split=split, image_size=image_size, vocab_file=vocab_file,
                               seq_len=seq_len, max_predictions=max_predictions, seed=seed,
                               num_workers=num_workers)
   raise errors.ConfigError(_unknown(name))
+
+
+def eval_split(name: str, split: str | None = None, *, data_dir: str | None = None) -> str:
+  """The split to evaluate on: `split`, or by default the held-out split of dataset `name`.
+
+  The default is "test" for synthetic data and text corpora, and for a TFDS
+  dataset its "test" split, else its "validation" split.
+
+  Raises:
+    ConfigError: a TFDS dataset with neither, or `split` is the training
+      split of a text corpus (it would evaluate on the training data).
+  """
+  if name.startswith(TFDS_PREFIX):
+    return split or _tfds.held_out_split(name[len(TFDS_PREFIX):], data_dir)
+  if name.startswith(TEXT_PREFIX) and split is not None:
+    if _text.training_split(split) == "train":
+      raise errors.ConfigError(
+          f"--eval_split={split} holds every line of {name}; evaluate on test or "
+          "train[P%:] (training then uses the other lines).")
+  return split or _synthetic.TEST
+
+
+def training_split(name: str, eval_split: str | None = None) -> str:
+  """The split a run trains on when it evaluates on `eval_split` (None: no evaluation).
+
+  "train", except for a text corpus evaluated on a slice of its lines: then
+  the other lines (e.g. "train[:90%]" beside "test").
+  """
+  if name.startswith(TEXT_PREFIX):
+    return _text.training_split(eval_split)
+  return "train"
 
 
 def check_name(name: str) -> None:

@@ -1,5 +1,7 @@
 """Masked-LM data: BERT's masking as a transform, and local text corpora tokenised with WordPiece."""
 
+import re
+
 import numpy as np
 import tensorflow as tf
 
@@ -10,6 +12,45 @@ from tfdp.datasets.dataset import Dataset
 from tfdp.datasets.dataset import index_seed
 
 MASK_RATE = 0.15
+# A text corpus has no split of its own; its held-out split "test" is the
+# last HELD_OUT_PERCENT% of its lines, and a run that evaluates on it trains
+# on the rest (TFDS's slicing syntax names both).
+HELD_OUT_PERCENT = 10
+_SLICE = re.compile(r"^train\[(:)?(\d{1,2})%(:)?\]$")
+
+
+def corpus_split(split: str) -> tuple[int, int]:
+  """The [first, last) percent of a corpus's lines `split` names.
+
+  "train" is every line; "train[:P%]" the first P%; "train[P%:]" the rest;
+  "test" is "train[90%:]" (HELD_OUT_PERCENT).
+
+  Raises:
+    ConfigError: any other name.
+  """
+  if split == "train":
+    return 0, 100
+  if split == "test":
+    return 100 - HELD_OUT_PERCENT, 100
+  m = _SLICE.match(split)
+  if m and bool(m.group(1)) != bool(m.group(3)) and 0 < int(m.group(2)) < 100:
+    p = int(m.group(2))
+    return (0, p) if m.group(1) else (p, 100)
+  raise errors.ConfigError(
+      f"A text corpus has the splits train (every line), test (the last "
+      f"{HELD_OUT_PERCENT}% of its lines), train[:P%] and train[P%:]; got {split!r}.")
+
+
+def training_split(eval_split: str | None) -> str:
+  """The split a run trains on when it evaluates on `eval_split` (None: no evaluation)."""
+  if eval_split is None:
+    return "train"
+  first, last = corpus_split(eval_split)
+  if last == 100 and first > 0:
+    return f"train[:{first}%]"
+  if first == 0 and last < 100:
+    return f"train[{last}%:]"
+  return "train"
 
 
 def default_max_predictions(seq_len: int, max_predictions: int | None = None) -> int:
@@ -82,13 +123,23 @@ def wordpiece_dataset(source: data.Source, tokenizer: text.WordPiece, *, seq_len
 
 
 def text_corpus(path: str, *, vocab_file: str | None, seq_len: int = 128,
-                max_predictions: int = 20, seed: int = 0) -> Dataset:
+                max_predictions: int = 20, seed: int = 0, split: str = "train") -> Dataset:
   """A local text file, one example per non-empty line, tokenised once at start-up.
 
+  Args:
+    path: the corpus.
+    vocab_file: its WordPiece vocabulary.
+    seq_len: tokens per sequence.
+    max_predictions: masked positions per sequence.
+    seed: seed of the masks.
+    split: "train" (every line), "test" (the last HELD_OUT_PERCENT% of the
+      non-empty lines), "train[:P%]" or "train[P%:]" (see `corpus_split`).
+
   Raises:
-    ConfigError: the vocabulary or the corpus is missing, or the corpus is
-      empty.
+    ConfigError: the vocabulary or the corpus is missing, the corpus is
+      empty, or the split is unknown or empty.
   """
+  first, last = corpus_split(split)
   tokenizer = text.WordPiece(vocab_file)
   if not tf.io.gfile.exists(path):
     raise errors.ConfigError(f"Text corpus {path!r} not found (--dataset=text:PATH).")
@@ -96,10 +147,16 @@ def text_corpus(path: str, *, vocab_file: str | None, seq_len: int = 128,
     lines = [l.strip() for l in f if l.strip()]
   if not lines:
     raise errors.ConfigError(f"Text corpus {path} has no non-empty lines.")
+  total = len(lines)
+  start = total * first // 100
+  lines = lines[start:total * last // 100]
+  if not lines:
+    raise errors.ConfigError(
+        f"Split {split!r} of text corpus {path} ({total} lines) is empty; use a larger corpus.")
   encoded = [tokenizer.encode(l, seq_len) for l in lines]
   arrays = {"input_ids": np.stack([e[0] for e in encoded]),
             "input_mask": np.stack([e[1] for e in encoded]),
-            "index": np.arange(len(lines), dtype=np.int64)}
-  name = f"text:{path}:{seq_len}"
+            "index": np.arange(start, start + len(lines), dtype=np.int64)}
+  name = f"text:{path}:{seq_len}" + ("" if split == "train" else f":{split}")
   return wordpiece_dataset(data.ArraySource(arrays, name=name), tokenizer, seq_len=seq_len,
                            max_predictions=max_predictions, seed=seed)

@@ -72,6 +72,24 @@ def tfds_builder(spec: str, data_dir: str | None = None) -> Any:
   return builder
 
 
+HELD_OUT_SPLITS = ("test", "validation")
+
+
+def held_out_split(spec: str, data_dir: str | None = None) -> str:
+  """The split of `NAME[:CONFIG]` to evaluate on: "test", else "validation".
+
+  Raises:
+    ConfigError: the dataset is not prepared, or has neither split.
+  """
+  splits = tfds_builder(spec, data_dir).info.splits
+  for split in HELD_OUT_SPLITS:
+    if split in splits:
+      return split
+  raise errors.ConfigError(
+      f"TFDS dataset {spec!r} has no test or validation split (it has "
+      f"{sorted(splits)}); pass --eval_split=SPLIT, one not used for training.")
+
+
 def _random_access(builder):
   from tensorflow_datasets.core import file_adapters  # pylint: disable=g-import-not-at-top
   fmt = builder.info.file_format
