@@ -75,6 +75,9 @@ def _check_export_args(args):
   if not names_file and os.path.exists(args.out) and not os.path.isdir(args.out):
     raise UsageError(f"{args.out}: exists and is not a directory")
   if args.format != "keras":
+    if "://" in args.out:
+      raise UsageError(f"{args.out}: safetensors are written to a local folder; copy "
+                       "them from there")
     return
   for flag, given in (("--include_optimizer", args.include_optimizer),
                       ("--max_shard_size", args.max_shard_size is not None)):
