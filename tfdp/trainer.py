@@ -1,7 +1,8 @@
-"""One training run from a config: strategy, model, data, restore, fit, checkpoints."""
+"""One training run from a config: strategy, model, data, restore, fit, evaluation, checkpoints, summary."""
 
 import dataclasses
 import os
+import time
 
 from absl import logging
 import keras
@@ -13,10 +14,12 @@ from tfdp import cluster
 from tfdp import data
 from tfdp import datasets as datasets_lib
 from tfdp import errors
+from tfdp import export
 from tfdp import heartbeat
 from tfdp import optim
 from tfdp import preemption
 from tfdp import strategy as strategy_lib
+from tfdp import summaries
 from tfdp import training
 
 
@@ -57,6 +60,22 @@ class TrainConfig:
   bert_config: str = "tiny"
   vocab_file: str | None = None
   seq_len: int = 128
+  eval_every_steps: int | None = None
+  eval_steps: int | None = None
+  eval_split: str | None = None
+  keep_best: str | None = None
+  summary_every_steps: int | None = None
+
+  def keep_best_spec(self) -> tuple | None:
+    """`keep_best` as (metric, mode, k), or None; raises ConfigError if malformed."""
+    if not self.keep_best:
+      return None
+    parts = self.keep_best.split(":")
+    if len(parts) != 3 or not parts[0] or parts[1] not in ("min", "max") or not (
+        parts[2].isdigit() and int(parts[2]) >= 1):
+      raise errors.ConfigError(
+          f"--keep_best={self.keep_best}: pass METRIC:min|max:K, e.g. val_loss:min:3.")
+    return parts[0], parts[1], int(parts[2])
 
   def validate(self):
     """Raises ConfigError for values no run can use."""
@@ -71,6 +90,30 @@ class TrainConfig:
     if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 0:
       raise errors.ConfigError(
           f"--checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}.")
+    for name in ("eval_every_steps", "summary_every_steps"):
+      if getattr(self, name) is not None and getattr(self, name) < 0:
+        raise errors.ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}.")
+    if self.eval_steps is not None and self.eval_steps < 1:
+      raise errors.ConfigError(f"--eval_steps must be >= 1, got {self.eval_steps}.")
+    if not self.eval_every_steps and (self.eval_steps or self.eval_split):
+      raise errors.ConfigError(
+          "--eval_steps and --eval_split take effect with --eval_every_steps; set it "
+          "(e.g. --eval_every_steps=1000).")
+    best = self.keep_best_spec()
+    if best is not None:
+      if not self.model_dir:
+        raise errors.ConfigError("--keep_best needs --model_dir (it selects checkpoints).")
+      if best[0].startswith("val_") and not self.eval_every_steps:
+        raise errors.ConfigError(
+            f"--keep_best={self.keep_best} ranks checkpoints by an evaluation metric; "
+            "set --eval_every_steps.")
+      if (best[0].startswith("val_") and self.checkpoint_every_steps
+          and self.checkpoint_every_steps % self.eval_every_steps):
+        raise errors.ConfigError(
+            f"--keep_best={self.keep_best}: --checkpoint_every_steps="
+            f"{self.checkpoint_every_steps} must be a multiple of --eval_every_steps="
+            f"{self.eval_every_steps}, so that every checkpoint carries the evaluation "
+            "of its own step.")
     optim.peak_learning_rate(self.global_batch_size, learning_rate=self.learning_rate,
                              base_learning_rate=self.base_learning_rate)
     if not 0 <= self.label_smoothing < 1:
@@ -85,30 +128,64 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class TrainResult:
-  """What a run leaves behind."""
+  """What a run leaves behind.
+
+  Attributes:
+    model: the trained model.
+    start_step: the step the run started at (restored or 0).
+    step: the step it ended at.
+    checkpoint: the final checkpoint (None without a model_dir).
+    histories: the History of each `model.fit` call.
+    summary: the end-of-run summary (None when the run was already complete).
+    model_path: the `.keras` file written at the end (None without a model_dir).
+    already_complete: the restored checkpoint was at or past train_steps.
+  """
   model: object
   start_step: int
   step: int
   checkpoint: str | None
   histories: list
+  summary: summaries.RunSummary | None = None
+  model_path: str | None = None
+  already_complete: bool = False
 
 
-def _source(config, spec, num_workers=1):
+def _source(config, spec, num_workers=1, split="train"):
   return datasets_lib.load(
       config.dataset, task=spec.task, seed=config.seed, num_examples=config.num_examples,
       image_size=config.image_size or spec.image_size, data_dir=config.data_dir,
-      vocab_file=config.vocab_file, seq_len=config.seq_len, num_workers=num_workers)
+      vocab_file=config.vocab_file, seq_len=config.seq_len, num_workers=num_workers,
+      split=split)
+
+
+def _chief_says(chief, lines):
+  """The chief prints `lines` on stdout and logs them (the other workers say nothing)."""
+  if chief:
+    print("\n".join(lines), flush=True)
+    logging.info("%s", "\n".join(lines))
+
+
+def _model_kwargs(config, spec, source):
+  """What the builder of `spec` is given besides the seed: the data's shapes and model flags."""
+  return dict(source.model_kwargs, **{k: getattr(config, k) for k in spec.options})
+
+
+def _policy(config):
+  """The mixed-precision policy of the run, or None."""
+  if not config.mixed_precision:
+    return None
+  # Float16 on GPUs; bfloat16 elsewhere (CPUs lack fast float16). Variables
+  # stay float32 either way, which MultiWorkerMirroredStrategy needs (its
+  # broadcast has no bfloat16 kernel).
+  return "mixed_float16" if tf.config.list_logical_devices("GPU") else "mixed_bfloat16"
 
 
 def _build(config, spec, source):
   """The model of `spec` shaped for `source`, under the mixed-precision policy if asked."""
-  kwargs = dict(source.model_kwargs, **{k: getattr(config, k) for k in spec.options})
-  if not config.mixed_precision:
+  kwargs = _model_kwargs(config, spec, source)
+  policy = _policy(config)
+  if policy is None:
     return spec.build(seed=config.seed, **kwargs)
-  # Float16 on GPUs; bfloat16 elsewhere (CPUs lack fast float16). Variables
-  # stay float32 either way, which MultiWorkerMirroredStrategy needs (its
-  # broadcast has no bfloat16 kernel).
-  policy = "mixed_float16" if tf.config.list_logical_devices("GPU") else "mixed_bfloat16"
   previous = keras.mixed_precision.global_policy()
   keras.mixed_precision.set_global_policy(policy)
   try:
@@ -132,6 +209,7 @@ def run(config):
   Returns:
     A TrainResult.
   """
+  wall_start = time.perf_counter()
   config.validate()
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
@@ -147,7 +225,22 @@ def run(config):
   data.per_replica_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
 
   spec = models.get(config.model)
-  source = _source(config, spec, num_workers)
+  eval_split = None
+  if config.eval_every_steps:
+    eval_split = datasets_lib.eval_split(config.dataset, config.eval_split,
+                                         data_dir=config.data_dir)
+  source = _source(config, spec, num_workers,
+                   datasets_lib.training_split(config.dataset, eval_split))
+  eval_source = eval_steps = None
+  if eval_split is not None:
+    eval_source = _source(config, spec, num_workers, eval_split)
+    one_pass = data.steps_per_epoch(eval_source.num_examples, config.global_batch_size)
+    eval_steps = config.eval_steps or one_pass
+    if eval_steps > one_pass:
+      raise errors.ConfigError(
+          f"--eval_steps={eval_steps} is more than one pass over split {eval_split!r} "
+          f"({eval_source.num_examples} examples, {one_pass} batches of "
+          f"{config.global_batch_size}); pass --eval_steps <= {one_pass}.")
   steps_per_epoch = config.steps_per_epoch or data.steps_per_epoch(
       source.num_examples, config.global_batch_size)
   run_config = {
@@ -155,6 +248,10 @@ def run(config):
       "global_batch_size": config.global_batch_size,
       "world_size": num_workers, "replicas": strategy.num_replicas_in_sync,
   }
+  # What `tfdp-ckpt export --format=keras` rebuilds the model from.
+  run_config.update(export.model_run_config(
+      config.model, _model_kwargs(config, spec, source), seed=config.seed,
+      dtype_policy=_policy(config)))
   with strategy.scope():
     model = _build(config, spec, source)
     _compile(model, config, spec)
@@ -162,35 +259,66 @@ def run(config):
   # The same resume path as a user's script: tfdp.callbacks.BackupAndRestore
   # restores, saves every N steps, on preemption and at the end.
   backup = None
-  cbs = []
   if config.model_dir:
+    extra = {}
+    if config.keep_best:
+      extra["keep_best"] = config.keep_best_spec()
     backup = tfdp_callbacks.BackupAndRestore(
         config.model_dir, save_freq=config.checkpoint_every_steps or False,
         delete_checkpoint=False, save_before_preemption=True,
         preemption_grace_seconds=config.preemption_grace_seconds,
         run_config=run_config, allow_config_mismatch=config.allow_config_mismatch,
         async_save=config.async_checkpoint, max_to_keep=config.max_to_keep,
-        max_shard_bytes=config.max_shard_bytes, save_at_end=True)
+        max_shard_bytes=config.max_shard_bytes, save_at_end=True, **extra)
     backup.restore(model)
-    cbs.append(backup)
   start_step = int(model.optimizer.iterations.numpy())
-  if start_step > config.train_steps:
-    raise errors.ConfigError(
-        f"{config.model_dir} holds a checkpoint at step {start_step}, past "
-        f"--train_steps={config.train_steps}; raise --train_steps or use a new "
-        "--model_dir.")
+  if backup is not None and backup.restored_step is not None and (
+      start_step >= config.train_steps):
+    path = backup.manager.latest_checkpoint
+    backup.manager.close()
+    _chief_says(chief, [f"tfdp-train: already complete at step {start_step}: {path}"
+                        + ("" if start_step == config.train_steps else
+                           f" (past --train_steps={config.train_steps})")])
+    return TrainResult(model, start_step, start_step, path, [], already_complete=True)
 
+  timings = summaries.Timings()
+  cbs = []
+  evaluator = None
+  if eval_source is not None:
+    evaluator = summaries.Evaluate(
+        lambda: eval_source.distribute(strategy, global_batch_size=config.global_batch_size,
+                                       seed=config.seed),
+        steps=eval_steps, every_n_steps=config.eval_every_steps,
+        train_steps=config.train_steps, timings=timings, split=eval_split)
+    # Before the checkpoint callback: a save at an evaluated step carries
+    # that evaluation's metrics (for --keep_best).
+    cbs.append(evaluator)
+  timer = None
+  if backup is not None:
+    if evaluator is not None:
+      evaluator.on_metrics.append(lambda step, metrics: backup.note_metrics(metrics))
+    timer = summaries.CheckpointTimer(backup, timings)
+    cbs.extend(timer.bracket())
   cbs.append(heartbeat.Heartbeat())  # progress for tfdp-launch --hang_timeout
+  board = None
   if chief:
     cbs.append(tfdp_callbacks.Throughput(config.global_batch_size))
     if config.model_dir:
-      cbs.append(keras.callbacks.TensorBoard(
-          os.path.join(config.model_dir, "logs"), update_freq=max(1, steps_per_epoch // 4)))
+      # Chief only: each writer is an event file of its own, and two files of
+      # the same steps overlap in TensorBoard.
+      board = summaries.TensorBoard(
+          os.path.join(config.model_dir, "logs"), global_batch_size=config.global_batch_size,
+          update_freq=config.summary_every_steps or max(1, steps_per_epoch // 4),
+          timings=timings)
+      if evaluator is not None:
+        evaluator.on_metrics.append(board.write_eval)
+      cbs.append(board)
 
   def make_dataset(first_step):
     return source.distribute(strategy, global_batch_size=config.global_batch_size,
                              seed=config.seed, start_step=first_step)
 
+  fit_start = time.perf_counter()
   try:
     histories = training.fit(
         model, make_dataset, start_step=start_step, train_steps=config.train_steps,
@@ -201,12 +329,31 @@ def run(config):
       logging.warning("Preempted: saved %s at step %d; run the same command "
                       "again to resume.", e.checkpoint, e.step)
     raise
-
+  finally:
+    if board is not None:
+      board.flush()
   step = int(model.optimizer.iterations.numpy())
-  path = None
+  if timer is not None:
+    timer.after_fit(step)
+  train_seconds = time.perf_counter() - fit_start
+  if board is not None:
+    board.write_saves()
+    board.close()
+
+  path = model_path = None
   if backup is not None:
     path = backup.manager.latest_checkpoint
     backup.manager.close()
     if chief:
       logging.info("Final checkpoint at step %d: %s", step, path)
-  return TrainResult(model, start_step, step, path, histories)
+    model_path = export.save_keras(
+        model, os.path.join(config.model_dir, export.KERAS_FILE), strategy=strategy)
+  last = histories[-1].history if histories else {}
+  summary = summaries.RunSummary(
+      start_step=start_step, step=step, wall_seconds=time.perf_counter() - wall_start,
+      train_seconds=train_seconds, global_batch_size=config.global_batch_size,
+      timings=timings, train_metrics={k: v[-1] for k, v in last.items() if v},
+      eval=(evaluator.last + (eval_split,)) if evaluator is not None and evaluator.last
+      else None, checkpoint=path, model_path=model_path)
+  _chief_says(chief, summary.lines())
+  return TrainResult(model, start_step, step, path, histories, summary, model_path)

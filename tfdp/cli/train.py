@@ -103,6 +103,34 @@ flags.DEFINE_string("vocab_file", None,
                     "WordPiece vocabulary (BERT vocab.txt) of text datasets.")
 flags.DEFINE_integer("seq_len", 128, "Tokens per masked-LM sequence.",
                      lower_bound=8)
+flags.DEFINE_integer("eval_every_steps", None,
+                     "Evaluate whenever the global step reaches a multiple of N, "
+                     "and at --train_steps: model.evaluate under the training "
+                     "strategy on --eval_split; the metrics (val_loss, ...) go "
+                     "to the log and to TensorBoard at the global step, and "
+                     "are stored with the checkpoints for --keep_best "
+                     "(default: no evaluation).", lower_bound=0)
+flags.DEFINE_integer("eval_steps", None,
+                     "Batches of --global_batch_size per evaluation, the same "
+                     "ones each time (default: one pass over --eval_split).",
+                     lower_bound=1)
+flags.DEFINE_string("eval_split", None,
+                    "Split to evaluate on (default: the dataset's held-out "
+                    "split). synthetic: test (examples disjoint from train, "
+                    "a quarter of --num_examples); tfds: test, else "
+                    "validation, or any split the dataset was prepared with; "
+                    "text: test (the last 10% of the corpus's lines; training "
+                    "then uses the first 90%), or train[P%:] (training on "
+                    "train[:P%]).")
+flags.DEFINE_string("keep_best", None,
+                    "METRIC:min|max:K, e.g. val_loss:min:3: besides the newest "
+                    "--max_to_keep checkpoints, keep the K best by METRIC "
+                    "(val_* metrics need --eval_every_steps, and "
+                    "--checkpoint_every_steps a multiple of it).")
+flags.DEFINE_integer("summary_every_steps", None,
+                     "Write TensorBoard batch summaries (loss, metrics, "
+                     "examples/s) every N global steps (default: a quarter "
+                     "epoch).", lower_bound=1)
 
 
 def config_from_flags():
