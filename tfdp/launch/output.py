@@ -166,7 +166,9 @@ class WorkerLines:
     self._output = output
     self._show_all = show_all
     self._workers = [_Worker() for _ in range(num_workers)]
-    self._seen = collections.OrderedDict()  # line -> the first worker that printed it
+    # hash(line) -> the first worker that printed it. Hashes, not lines: a Keras
+    # progress bar is one line per epoch of every update, which can be 100s of KB.
+    self._seen = collections.OrderedDict()
     self._finished = False
 
   @staticmethod
@@ -187,16 +189,17 @@ class WorkerLines:
           worker.noise_dropped += 1
         worker.noise.append(text)
         return
-      first = self._seen.get(text)
+      key = hash(text)
+      first = self._seen.get(key)
       if first is not None and first != index:
-        self._seen.move_to_end(text)
+        self._seen.move_to_end(key)
         if not worker.repeats:
           worker.repeats_since = time.monotonic()
         worker.repeats.append((text, first))
         return
       self._release(index)
       self._output.write_line(self._prefix(index) + text)
-      self._seen[text] = index if first is None else first
+      self._seen[key] = index if first is None else first
       if len(self._seen) > _SEEN_KEPT:
         self._seen.popitem(last=False)
 
