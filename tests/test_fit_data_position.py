@@ -21,11 +21,11 @@ SCRIPT = os.path.join(WORKERS, "data_resume.py")
 MODES = ("finite", "repeat", "arrays")
 
 
-def _run(out_root, modes, env=None):
-  """One process: Mirrored over 2 CPU replicas."""
+def _run(out_root, modes, env=None, replicas=2):
+  """One process: Mirrored over 2 CPU replicas (1: no strategy)."""
   full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env.pop("TF_CONFIG", None)
-  proc = subprocess.run([sys.executable, SCRIPT, str(out_root), modes, "2"], cwd=REPO,
+  proc = subprocess.run([sys.executable, SCRIPT, str(out_root), modes, str(replicas)], cwd=REPO,
                         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         timeout=300, check=False)
   return proc.returncode, proc.stdout.decode("utf-8", errors="replace")
@@ -43,16 +43,30 @@ def mirrored(tmp_path_factory):
   return root
 
 
-@pytest.mark.parametrize("mode,kill_at", [("finite", 20), ("repeat", 7), ("arrays", 26)])
-def test_mirrored_fit_killed_mid_epoch_resumes_bitwise(mirrored, mode, kill_at):
+@pytest.mark.parametrize("mode,kill_at,background", [
+    ("finite", 20, "0"), ("repeat", 7, "1"), ("arrays", 26, "0")])
+def test_mirrored_fit_killed_mid_epoch_resumes_bitwise(mirrored, mode, kill_at, background):
+  """`background`: async saves, whose data position is taken at the step of their variables."""
   cut = mirrored / f"cut-{mode}"
-  code, out = _run(cut, mode, env={"TFDP_TEST_KILL_AT": str(kill_at)})
+  env = {"TFDP_TEST_ASYNC": background}
+  code, out = _run(cut, mode, env=dict(env, TFDP_TEST_KILL_AT=str(kill_at)))
   assert code == -9, out[-3000:]  # SIGKILLed after the step, not before its save
-  code, out = _run(cut, mode)
+  code, out = _run(cut, mode, env=env)
   assert code == 0, out[-3000:]
   restored = int(re.search(r"restored=(\d+)", out).group(1))
   assert 0 < restored <= kill_at and restored % 3 == 0, out[-3000:]  # a mid-run backup
   np.testing.assert_array_equal(_weights(mirrored / "ref", mode), _weights(cut, mode))
+
+
+def test_fit_without_a_strategy_killed_mid_epoch_resumes_bitwise(tmp_path):
+  code, out = _run(tmp_path / "ref", "finite", replicas=1)
+  assert code == 0, out[-3000:]
+  code, out = _run(tmp_path / "cut", "finite", replicas=1, env={"TFDP_TEST_KILL_AT": "8"})
+  assert code == -9, out[-3000:]
+  code, out = _run(tmp_path / "cut", "finite", replicas=1)
+  assert code == 0 and "restored=6" in out, out[-3000:]
+  np.testing.assert_array_equal(_weights(tmp_path / "ref", "finite"),
+                                _weights(tmp_path / "cut", "finite"))
 
 
 def test_uninterrupted_fit_trains_on_what_stock_tf_distributes(mirrored):

@@ -39,7 +39,7 @@ class FitRun:
   model: object
   wants_data_state: bool
   epoch_iterator: object = None
-  dataset: iterators.CheckpointableDataset | None = None
+  dataset: iterators.CheckpointableDataset | iterators.LocalDataset | None = None
   not_saved_reason: str | None = None
 
   def skip_steps(self, steps: int) -> None:
@@ -156,7 +156,8 @@ def _swap_in_checkpointable(run: FitRun, epoch_iterator) -> None:
     if isinstance(epoch_iterator._distributed_dataset, iterators.CheckpointableDataset):  # pylint: disable=protected-access
       run.dataset, run.not_saved_reason = epoch_iterator._distributed_dataset, None  # pylint: disable=protected-access
     return
-  if not isinstance(epoch_iterator._distributed_dataset, tf.distribute.DistributedDataset):  # pylint: disable=protected-access
+  if not isinstance(epoch_iterator._distributed_dataset,  # pylint: disable=protected-access
+                    (tf.distribute.DistributedDataset, tf.data.Dataset)):
     run.not_saved_reason = f"{type(strategy).__name__} does not distribute datasets"
     return
   # Keras shuffles arrays with tf.random.shuffle, which draws the same

@@ -32,6 +32,25 @@ from tfdp import errors
 
 
 
+def _serialize(resource, dataset) -> bytes:
+  policy = dataset.external_state_policy if dataset is not None else (
+      options_lib.ExternalStatePolicy.FAIL)
+  try:
+    variant = gen_dataset_ops.serialize_iterator(resource, policy.value)
+  except tf.errors.FailedPreconditionError as e:
+    raise errors.CheckpointError(
+        f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. "
+        "A transformation holds state tf.data cannot serialize (a stateful "
+        "op in a map, e.g. tf.random.* without a seed; use tf.random.stateless_* "
+        "or set tf.data.Options().experimental_external_state_policy to "
+        "IGNORE to save the rest).") from None
+  return tf.io.serialize_tensor(variant).numpy()
+
+
+def _deserialize(resource, state: bytes) -> None:
+  gen_dataset_ops.deserialize_iterator(resource, tf.io.parse_tensor(state, tf.variant))
+
+
 class _HostFedWorkerIterator(input_lib._SingleWorkerOwnedDatasetIterator):  # pylint: disable=protected-access
   """One worker's iterator: a host `tf.data` iterator feeding the local replicas."""
 
@@ -143,23 +162,12 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
   def state(self) -> bytes:
     """The serialized position of this worker's iterator (bytes)."""
     (resource,) = self._resources()
-    policy = self._dataset.external_state_policy if self._dataset else (
-        options_lib.ExternalStatePolicy.FAIL)
-    try:
-      variant = gen_dataset_ops.serialize_iterator(resource, policy.value)
-    except tf.errors.FailedPreconditionError as e:
-      raise errors.CheckpointError(
-          f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. "
-          "A transformation holds state tf.data cannot serialize (a stateful "
-          "op in a map, e.g. tf.random.* without a seed; use tf.random.stateless_* "
-          "or set tf.data.Options().experimental_external_state_policy to "
-          "IGNORE to save the rest).") from None
-    return tf.io.serialize_tensor(variant).numpy()
+    return _serialize(resource, self._dataset)
 
   def restore_state(self, state: bytes) -> None:
     """Moves this worker's iterator to a position `state()` returned."""
     (resource,) = self._resources()
-    gen_dataset_ops.deserialize_iterator(resource, tf.io.parse_tensor(state, tf.variant))
+    _deserialize(resource, state)
 
   def _serialize_to_tensors(self):
     return {"state": tf.constant(self.state())}
@@ -169,13 +177,8 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
     return []
 
 
-class CheckpointableDataset(input_lib.DistributedDataset):
-  """A distributed dataset whose iterators are `CheckpointableIterator`s.
-
-  Made by `checkpointable()`. It counts the iterators it made (each draws new
-  seeds from the pipeline's `shuffle` seed generators), and it can be given a
-  saved position for the next iterator it makes (`set_pending`).
-  """
+class _MakesIterators:
+  """What both checkpointable datasets do: count their iterators, start the next at a saved position."""
 
   def _setup(self, external_state_policy):
     self.external_state_policy = external_state_policy
@@ -205,6 +208,23 @@ class CheckpointableDataset(input_lib.DistributedDataset):
     return it
 
   def _make(self):
+    it = self._new_iterator()
+    it._dataset = self  # pylint: disable=protected-access
+    self.iterators_made += 1
+    it._index = self.iterators_made  # pylint: disable=protected-access
+    self.current = it
+    return it
+
+
+class CheckpointableDataset(_MakesIterators, input_lib.DistributedDataset):
+  """A distributed dataset whose iterators are `CheckpointableIterator`s.
+
+  Made by `checkpointable()`. It counts the iterators it made (each draws new
+  seeds from the pipeline's `shuffle` seed generators), and it can be given a
+  saved position for the next iterator it makes (`set_pending`).
+  """
+
+  def _new_iterator(self):
     canonicalize = getattr(self._strategy, "_canonicalize_devices", True)
     workers = [
         _HostFedWorkerIterator(dataset=ds, worker=worker, devices=devices,
@@ -218,11 +238,31 @@ class CheckpointableDataset(input_lib.DistributedDataset):
         enable_get_next_as_optional=self._enable_get_next_as_optional,
         options=self._options, replica_order=self._replica_order)
     it._element_spec = self._element_spec  # pylint: disable=protected-access
-    it._dataset = self  # pylint: disable=protected-access
-    self.iterators_made += 1
-    it._index = self.iterators_made  # pylint: disable=protected-access
-    self.current = it
     return it
+
+
+class LocalIterator(iterator_ops.OwnedIterator):
+  """A `tf.data` iterator with `state()` / `restore_state()` (no strategy: one device)."""
+
+  _dataset = None
+  _index = 0
+
+  def state(self) -> bytes:
+    return _serialize(self._iterator_resource, self._dataset)
+
+  def restore_state(self, state: bytes) -> None:
+    _deserialize(self._iterator_resource, state)
+
+
+class LocalDataset(_MakesIterators):
+  """`checkpointable()` without a distribution strategy: a dataset making `LocalIterator`s."""
+
+  def __init__(self, dataset: tf.data.Dataset):
+    self.dataset = dataset
+    self.element_spec = dataset.element_spec
+
+  def _new_iterator(self):
+    return LocalIterator(self.dataset)
 
 
 _SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
@@ -274,7 +314,8 @@ def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | 
       option, or FAIL.
 
   Returns:
-    A `CheckpointableDataset` (a `tf.distribute.DistributedDataset`).
+    A `CheckpointableDataset` (a `tf.distribute.DistributedDataset`), or
+    without a strategy a `LocalDataset` of `LocalIterator`s.
   """
   strategy = strategy or tf.distribute.get_strategy()
   if options is not None and (options.experimental_replication_mode
@@ -287,14 +328,18 @@ def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | 
         "tfdp: an exact resume needs a deterministic input order, but %s; the "
         "position is restored, the elements after it may differ from an "
         "uninterrupted run's.", "; ".join(reasons))
+  policy = (external_state_policy or dataset.options().experimental_external_state_policy
+            or options_lib.ExternalStatePolicy.FAIL)
   dist = strategy.experimental_distribute_dataset(dataset, options)
-  if not isinstance(dist, input_lib.DistributedDataset):
+  if isinstance(dist, tf.data.Dataset):  # The default strategy: one device.
+    out = LocalDataset(dist)
+  elif isinstance(dist, input_lib.DistributedDataset):
+    out = CheckpointableDataset.__new__(CheckpointableDataset)
+    out.__dict__.update(dist.__dict__)
+  else:
     raise errors.ConfigError(
         f"{type(strategy).__name__} does not distribute through tf.distribute's "
-        "DistributedDataset; tfdp.data.checkpointable needs (MultiWorker)MirroredStrategy "
-        "or the default strategy.")
-  out = CheckpointableDataset.__new__(CheckpointableDataset)
-  out.__dict__.update(dist.__dict__)
-  policy = external_state_policy or dataset.options().experimental_external_state_policy
-  out._setup(policy or options_lib.ExternalStatePolicy.FAIL)  # pylint: disable=protected-access
+        "DistributedDataset; tfdp.data.checkpointable needs (MultiWorker)MirroredStrategy, "
+        "OneDeviceStrategy or no strategy.")
+  out._setup(policy)  # pylint: disable=protected-access
   return out

@@ -8,7 +8,8 @@ to fit) or `data` (auto-shard policy DATA instead of FILE). The pipeline is
 TFRecord files, interleave, shuffle(buffer, seed), a map with stateless
 augmentation, batch and prefetch; the model has dropout; TF op determinism
 is on. Env TFDP_TEST_KILL_AT=N: the process SIGKILLs itself after global step
-N (on worker TFDP_TEST_KILL_WORKER, default every worker). Writes each
+N (on worker TFDP_TEST_KILL_WORKER, default every worker); TFDP_TEST_ASYNC=1
+saves in the background. CPU_REPLICAS 1 without TF_CONFIG: no strategy. Writes each
 worker's final weights to OUT_ROOT/MODE/weights-<worker>.npy.
 """
 
@@ -94,7 +95,8 @@ def train(out_dir, mode, strategy, worker):
                               keras.layers.Dropout(0.3), keras.layers.Dense(2)])
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  backup = tfdp.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=3)
+  backup = tfdp.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=3,
+                                           async_save=os.environ.get("TFDP_TEST_ASYNC") == "1")
   callbacks = [backup, KillAt(worker)]
   if mode == "arrays":
     x, y = zip(*make_dataset(paths, "finite").unbatch().as_numpy_iterator())
