@@ -28,9 +28,11 @@ _PUBLIC = {
     "cluster": None,
     "data": None,
     "errors": None,
+    "export": None,
     "fit": "tfdp.training",
     "make_strategy": "tfdp.strategy",
     "preemption": None,
+    "summaries": None,
 }
 
 __all__ = sorted(_PUBLIC)
@@ -41,7 +43,7 @@ _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat")
 
 if TYPE_CHECKING:
   # pylint: disable=g-import-not-at-top,g-bad-import-order
-  from tfdp import callbacks, cluster, data, errors, preemption
+  from tfdp import callbacks, cluster, data, errors, export, preemption, summaries
   from tfdp.checkpoint import CheckpointManager
   from tfdp.state import TrainState
   from tfdp.strategy import make_strategy
