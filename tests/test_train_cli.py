@@ -82,6 +82,8 @@ def test_mirrored_run_matches_the_first_losses_of_the_two_worker_run(two_worker_
     (["--strategy=multi_worker"], "needs TF_CONFIG"),
     (["--all_reduce=nccl"], "needs GPUs"),
     (["--dataset=imagenet"], "Unknown --dataset"),
+    (["--no_such_flag=1"], "tfdp-train: error: Unknown command line flag 'no_such_flag'"),
+    (["--train_steps=abc"], "tfdp-train: error: flag --train_steps=abc"),
 ])
 def test_bad_flags_give_a_clear_error(flags, message):
   env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}

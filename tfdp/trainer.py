@@ -159,10 +159,9 @@ def _source(config, spec, num_workers=1, split="train"):
 
 
 def _chief_says(chief, lines):
-  """The chief prints `lines` on stdout and logs them (the other workers say nothing)."""
+  """The chief prints `lines` on stdout, once (the other workers say nothing)."""
   if chief:
     print("\n".join(lines), flush=True)
-    logging.info("%s", "\n".join(lines))
 
 
 def _model_kwargs(config, spec, source):

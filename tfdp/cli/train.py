@@ -197,9 +197,18 @@ def main(argv):
   return 0
 
 
+def _parse_flags(argv):
+  """absl's flag parsing, with an unknown or bad flag as one line and exit 2."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    print(f"tfdp-train: error: {e} (see tfdp-train --helpshort)", file=sys.stderr)
+    sys.exit(2)
+
+
 def run():
   """Console entry point of `tfdp-train`."""
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
