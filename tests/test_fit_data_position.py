@@ -6,6 +6,7 @@ stateless augmentation, batch, prefetch; dropout; op determinism). One
 uninterrupted run per topology is shared by every assertion.
 """
 
+import json
 import os
 import re
 import shutil
@@ -104,6 +105,10 @@ def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode, kill
                              env={"TFDP_TEST_KILL_AT": str(kill_at), "TFDP_TEST_KILL_WORKER": "1"})
   assert code != 0, out[-3000:]
   if mode == "finite":  # Another topology cannot take the per-worker positions.
+    manifests = sorted((cut / mode / "backup").glob("ckpt-*.manifest.json"))
+    writers = json.loads(manifests[-1].read_text())["writers"]
+    # Each worker wrote its own iterator state (the shuffle buffer dominates).
+    assert all(writers[w]["per_worker_bytes"] > 1000 for w in ("0", "1")), writers
     moved = two_workers / "moved"
     shutil.copytree(cut / mode / "backup", moved / mode / "backup")
     code, other = _run(moved, mode)

@@ -93,7 +93,9 @@ def _write_shards(job):
   fs.write_json_atomic(job.layout.marker_path(job.tmp_dir, job.worker), {
       "worker": job.worker, "num_workers": job.num_workers,
       "session": job.save_id, "shards": shards, "time": time.time(),
-      "bytes_written": sum(s["data"]["size"] + s["index_size"] for s in shards)})
+      "bytes_written": sum(s["data"]["size"] + s["index_size"] for s in shards),
+      "per_worker_bytes": sum(it.nbytes for f in job.files for it in f
+                              if it.key.startswith(layout_lib.PER_WORKER_ROOT + "/"))})
   faults.reached("after_marker", job.worker)
 
 
@@ -171,7 +173,9 @@ def _commit(job):
       state_bytes=sum(s["state_bytes"] for s in records),
       world_size=job.num_workers, session=job.save_id, kept=list(job.kept),
       writers={str(m["worker"]): {"bytes_written": m["bytes_written"],
-                                  "files": len(m["shards"])} for m in markers})
+                                  "files": len(m["shards"]),
+                                  "per_worker_bytes": m.get("per_worker_bytes", 0)}
+               for m in markers})
   # The commit point: the checkpoint exists once its manifest does.
   manifest_lib.write_manifest(job.prefix, man)
   faults.reached("after_commit", job.worker)

@@ -135,14 +135,26 @@ def _variables(path):
 
 
 def cmd_inspect(args, out):
-  _, variables = _variables(args.path)
+  from tfdp.checkpoint import layout  # pylint: disable=g-import-not-at-top
+  reader, variables = _variables(args.path)
   total = 0
+  per_worker = {}
   for key, shape, dtype in variables:
-    nbytes = (int(np.prod(shape, dtype=np.int64)) * dtype.size
-              if dtype.name != "string" else 0)
+    if dtype.name != "string":
+      nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
+    elif key.startswith(layout.PER_WORKER_ROOT + "/"):  # Small: e.g. a data iterator's state.
+      nbytes = sum(len(b) for b in np.ravel(reader.get_tensor(key)))
+    else:
+      nbytes = 0
+    if key.startswith(layout.PER_WORKER_ROOT + "/"):
+      worker = int(key.split("/")[1])
+      per_worker[worker] = per_worker.get(worker, 0) + nbytes
     total += nbytes
     out.write(f"{key}\t{list(shape)}\t{dtype.name}\t{nbytes}\n")
   out.write(f"# {len(variables)} tensors, {total} bytes\n")
+  if per_worker:
+    out.write("# per-worker state (e.g. the data iterator): " + ", ".join(
+        f"worker {w} {n} bytes" for w, n in sorted(per_worker.items())) + "\n")
   return 0
 
 
