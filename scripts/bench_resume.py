@@ -31,11 +31,18 @@ from absl import logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
+import bench_data_position  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "One round (CI, < 2 min on 2 cores).")
 flags.DEFINE_bool("smoke", False, "Steps 10 and 10^6 (tfdp) and 10 (stock), one round (tests).")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
+flags.DEFINE_enum("pipeline", "arrays", ["arrays", "tfrecord"],
+                  "arrays: tfdp.fit + tfdp.data (below); tfrecord: a user's TFRecord + "
+                  "shuffle(10_000) pipeline under plain model.fit with the data position in "
+                  "the backup (scripts/bench_data_position.py; also state bytes, throughput).")
+flags.DEFINE_integer("throughput_rounds", None, "tfrecord: throughput runs per variant "
+                     "(default 1 smoke/quick, 5 full).")
 flags.DEFINE_list("steps", None, "Resume steps (default 10,10000,1000000).")
 flags.DEFINE_integer("rounds", None, "Rounds over the (variant, step) runs (default 1 quick, 5 full).")
 flags.DEFINE_integer("stock_max_step", 10000,
@@ -182,6 +189,24 @@ def _settings():
   return sorted(steps), rounds, stock_max
 
 
+def _data_position():
+  if FLAGS.smoke:
+    steps, rounds, stock_max, t_rounds = [10, 100], 1, 10, 1
+    FLAGS.dp_records, FLAGS.dp_shuffle, FLAGS.dp_throughput_steps = 2000, 1000, 300
+  else:
+    steps = [int(float(s)) for s in FLAGS.steps] if FLAGS.steps else [10, 10**4, 10**5]
+    rounds = FLAGS.rounds or (1 if FLAGS.quick else 5)
+    stock_max, t_rounds = FLAGS.stock_max_step, 1 if FLAGS.quick else 5
+  t_rounds = FLAGS.throughput_rounds or t_rounds
+  load = bench_common.wait_for_quiet(FLAGS.max_load, FLAGS.wait_quiet_s, log=logging.info)
+  out = {"machine": bench_common.machine(), "command": " ".join(sys.argv), "steps": steps,
+         "rounds": rounds, "load_before": load}
+  out.update(bench_data_position.run(sorted(steps), rounds, stock_max, t_rounds))
+  out["load_after"] = bench_common.load_average()
+  print(f"load average: before {load}, after {out['load_after']}")
+  bench_common.write_json(FLAGS.out, out)
+
+
 def main(argv):
   del argv
   if FLAGS.role == "make":
@@ -189,6 +214,9 @@ def main(argv):
     return
   if FLAGS.role == "resume":
     _resume()
+    return
+  if FLAGS.pipeline == "tfrecord":
+    _data_position()
     return
   steps, rounds, stock_max = _settings()
   load = bench_common.wait_for_quiet(FLAGS.max_load, FLAGS.wait_quiet_s, log=logging.info)

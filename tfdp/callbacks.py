@@ -61,20 +61,20 @@ class _DataPosition(trackable_base.Trackable):
   def _serialize_to_tensors(self):
     cb = self._callback
     run = fit_hooks.current(cb.model) if cb.model is not None else None
-    state, made, kind = b"", 0, "none"
+    state, made, kind = tf.constant(b""), 0, "none"
     if run is not None and run.dataset is not None:
       it = run.next_iterator(at_epoch_end=int(cb._step_in_epoch.numpy()) == 0)  # pylint: disable=protected-access
       made, kind = run.dataset.iterators_made, "fresh"
       if it is not None:
         made = it._index - 1  # pylint: disable=protected-access
         try:
-          state, kind = it.state(), "iterator"
+          state, kind = it.state_tensor(), "iterator"
         except errors.CheckpointError as e:
           kind = "none"
           if not self._warned:
             self._warned = True
             logging.warning("tfdp: backups will not hold the data position: %s", e)
-    return {"state": tf.constant(state), "made": tf.constant(made, tf.int64),
+    return {"state": state, "made": tf.constant(made, tf.int64),
             "kind": tf.constant(kind)}
 
   def _restore_from_tensors(self, restored_tensors):

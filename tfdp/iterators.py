@@ -32,19 +32,25 @@ from tfdp import errors
 
 
 
-def _serialize(resource, dataset) -> bytes:
+def _serialize(resource, dataset) -> tf.Tensor:
   policy = dataset.external_state_policy if dataset is not None else (
       options_lib.ExternalStatePolicy.FAIL)
   try:
     variant = gen_dataset_ops.serialize_iterator(resource, policy.value)
   except tf.errors.FailedPreconditionError as e:
+    if "symbolic checkpointing" in e.message:
+      raise errors.CheckpointError(
+          f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. Turn "
+          "tf.data.Options().experimental_symbolic_checkpoint off (tf.distribute "
+          "rebatches the input for more than one replica with RebatchDatasetV2, "
+          "which does not support it).") from None
     raise errors.CheckpointError(
         f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. "
         "A transformation holds state tf.data cannot serialize (a stateful "
         "op in a map, e.g. tf.random.* without a seed; use tf.random.stateless_* "
         "or set tf.data.Options().experimental_external_state_policy to "
         "IGNORE to save the rest).") from None
-  return tf.io.serialize_tensor(variant).numpy()
+  return tf.io.serialize_tensor(variant)
 
 
 def _deserialize(resource, state: bytes) -> None:
@@ -161,6 +167,10 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
 
   def state(self) -> bytes:
     """The serialized position of this worker's iterator (bytes)."""
+    return self.state_tensor().numpy()
+
+  def state_tensor(self) -> tf.Tensor:
+    """`state()` as a string tensor (no copy to Python)."""
     (resource,) = self._resources()
     return _serialize(resource, self._dataset)
 
@@ -170,7 +180,7 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
     _deserialize(resource, state)
 
   def _serialize_to_tensors(self):
-    return {"state": tf.constant(self.state())}
+    return {"state": self.state_tensor()}
 
   def _restore_from_tensors(self, restored_tensors):
     self.restore_state(restored_tensors["state"].numpy())
@@ -248,6 +258,9 @@ class LocalIterator(iterator_ops.OwnedIterator):
   _index = 0
 
   def state(self) -> bytes:
+    return self.state_tensor().numpy()
+
+  def state_tensor(self) -> tf.Tensor:
     return _serialize(self._iterator_resource, self._dataset)
 
   def restore_state(self, state: bytes) -> None:
