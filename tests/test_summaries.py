@@ -2,6 +2,7 @@
 
 import os
 
+import keras
 import pytest
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.backend.event_processing import plugin_event_accumulator
@@ -119,6 +120,7 @@ def test_the_run_config_names_the_model_for_a_keras_export(runs):
   config = state.read_run_config(os.path.join(runs["model_dir"], "ckpt-24"))
   assert config["model"] == "cnn" and config["dtype_policy"] == "float32"
   assert config["model_kwargs"] == {"input_shape": [32, 32, 3], "num_classes": 10}
+  keras.backend.clear_session()  # Layer names as in a fresh process (earlier tests built models).
   rebuilt = export.model_from_run_config(config)
   reader = tf.train.load_checkpoint(os.path.join(runs["model_dir"], "ckpt-24"))
   for w in rebuilt.weights:
