@@ -1,6 +1,6 @@
 """The data position of a user's tf.data pipeline under plain model.fit: resume cost, state bytes, throughput.
 
-Run through `scripts/bench_resume.py --pipeline=tfrecord` (or directly). The
+Run through `scripts/bench_resume.py --pipeline=tfrecord [--dp_parts=...]`. The
 pipeline is what users write: TFRecord files, interleave, shuffle(10_000),
 parse, batch, prefetch, repeated, under plain `model.fit(steps_per_epoch=k)`.
 
@@ -20,6 +20,7 @@ parse, batch, prefetch, repeated, under plain `model.fit(steps_per_epoch=k)`.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,7 @@ if "dp_role" not in FLAGS:
   flags.DEFINE_integer("dp_batch", 32, "Global batch size.")
   flags.DEFINE_integer("dp_shuffle", 10_000, "Shuffle buffer.")
   flags.DEFINE_integer("dp_throughput_steps", 600, "Steps per throughput run (100 warm-up).")
+  flags.DEFINE_list("dp_parts", ["resume", "state", "throughput"], "Parts to run.")
 
 _FEATURES = 16
 
@@ -174,24 +176,39 @@ class StopAfterOne:
 def _state():
   """Iterator-state bytes after 100 steps: no strategy and Mirrored, with and without symbolic."""
   import tfdp  # pylint: disable=g-import-not-at-top
-  tfdp.strategy.configure_cpu_replicas(2)
+  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  strategy_lib.configure_cpu_replicas(2)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   out = {}
   strategies = {"no strategy": None,
                 "MirroredStrategy (1 device)": tf.distribute.MirroredStrategy(["/cpu:0"]),
                 "MirroredStrategy (2 devices)": tf.distribute.MirroredStrategy(
                     ["/cpu:0", "/cpu:1"])}
-  for name, strategy in strategies.items():
-    for symbolic in (False, True):
-      dist = tfdp.data.checkpointable(_dataset(_paths(), symbolic=symbolic),
-                                      strategy or tf.distribute.get_strategy())
-      it = iter(dist)
-      for _ in range(100):
-        next(it)
-      try:
-        out[f"{name}, symbolic={symbolic}"] = len(it.state())
-      except tfdp.errors.CheckpointError as e:
-        out[f"{name}, symbolic={symbolic}"] = str(e).split(". ")[0]
+
+  def images(symbolic):
+    # Image batches and nothing else buffered but prefetch: what symbolic saves.
+    ds = tf.data.Dataset.range(10**6).map(
+        lambda i: tf.fill([32, 32, 3], tf.cast(i, tf.float32))).batch(64).prefetch(2)
+    options = tf.data.Options()
+    options.experimental_symbolic_checkpoint = symbolic
+    return ds.with_options(options)
+
+  pipelines = {"tfrecord+shuffle": lambda symbolic: _dataset(_paths(), symbolic=symbolic),
+               "images+prefetch(2)": images}
+  for pipeline, make in pipelines.items():
+    for name, strategy in strategies.items():
+      for symbolic in (False, True):
+        dist = tfdp.data.checkpointable(make(symbolic), strategy or tf.distribute.get_strategy())
+        it = iter(dist)
+        for _ in range(100):
+          next(it)
+        time.sleep(0.2)  # Let prefetch fill.
+        key = f"{pipeline}, {name}, symbolic={symbolic}"
+        try:
+          out[key] = len(it.state())
+        except tfdp.errors.CheckpointError as e:
+          found = re.search(r"\w+ does not support symbolic checkpointing", str(e))
+          out[key] = "refused: " + (found.group(0) if found else str(e))
   with open(FLAGS.dp_result, "w") as f:
     json.dump(out, f)
 
@@ -238,71 +255,85 @@ def run(steps, rounds, stock_max, throughput_rounds):
   out = {"pipeline": "TFRecord x4, interleave(4), shuffle(%d), parse, batch(%d), prefetch(2), "
                      "repeat" % (FLAGS.dp_shuffle, FLAGS.dp_batch)}
   try:
-    _child(["--dp_role=make", f"--dp_dir={base}", "--steps=" + ",".join(map(str, steps))],
+    _child(["--dp_role=make", f"--dp_dir={base}", "--steps=" + ",".join(
+        map(str, steps if "resume" in FLAGS.dp_parts else [10]))],
            os.path.join(base, "make.json"), log)
-    runs = [("tfdp", k) for k in steps] + [("stock", k) for k in steps if k <= stock_max]
-    samples = {r: [] for r in runs}
-    for rnd in range(rounds):
-      for variant, k in runs[rnd % len(runs):] + runs[:rnd % len(runs)]:
-        t0, s = _child(["--dp_role=resume", f"--dp_variant={variant}", f"--dp_k={k}",
-                        f"--dp_dir={base}"], os.path.join(base, f"r-{variant}-{k}-{rnd}.json"),
-                       log)
-        samples[(variant, k)].append({"to_first_step_s": s["first_step"] - t0,
-                                      "after_imports_s": s["first_step"] - s["imported"],
-                                      "restore_s": s["restored"] - s["imported"]})
-    rows = []
-    for (variant, k), ss in samples.items():
-      row = {"variant": variant, "step": k, "rounds": len(ss)}
-      for key in ss[0]:
-        row[key] = bench_common.median([s[key] for s in ss])
-      rows.append(row)
-    stock = sorted((r for r in rows if r["variant"] == "stock"), key=lambda r: r["step"])
-    if len(stock) >= 2:
-      (k1, t1), (k2, t2) = [(r["step"], r["to_first_step_s"]) for r in stock[-2:]]
-      slope = max(0.0, (t2 - t1) / (k2 - k1))
-      rows += [{"variant": "stock", "step": k, "projected": True,
-                "to_first_step_s": t2 + slope * (k - k2)} for k in steps if k > stock_max]
-    rows.sort(key=lambda r: (r["variant"] != "tfdp", r["step"]))
-    ratios = {}
-    for variant in ("tfdp", "stock"):
-      ts = [r for r in rows if r["variant"] == variant]
-      if len(ts) >= 2:
-        ratios[variant] = ts[-1]["to_first_step_s"] / ts[0]["to_first_step_s"]
-    out["resume"] = {"rows": rows, "ratio_largest_vs_smallest": ratios,
-                     "target": {"max": 1.2, "met": ratios.get("tfdp", 99) <= 1.2}}
-    print(bench_common.table(rows, [
-        ("variant", "variant", None), ("step", "resume step", "{:,}"),
-        ("to_first_step_s", "start to 1st step s", "{:.2f}"),
-        ("after_imports_s", "after imports s", "{:.2f}"),
-        ("restore_s", "to restored s", "{:.2f}"), ("projected", "projected", None)]))
-    print(f"resume largest/smallest: {ratios} (tfdp target <= 1.2)")
-
-    _, state = _child(["--dp_role=state", f"--dp_dir={base}"], os.path.join(base, "state.json"),
-                      log)
-    out["state_bytes"] = state
-    print("iterator state after 100 steps: " + json.dumps(state))
-
-    rates = {"plain": [], "tfdp": [], "no_position": []}
-    order = list(rates)
-    for rnd in range(throughput_rounds):
-      for variant in order[rnd % 3:] + order[:rnd % 3]:
-        env = {"TFDP_COMPAT_DISABLE": "fit_data_state"} if variant == "no_position" else None
-        _, r = _child(["--dp_role=throughput", f"--dp_variant={variant}", f"--dp_dir={base}"],
-                      os.path.join(base, f"t-{variant}-{rnd}.json"), log, env=env)
-        rates[variant].append(bench_common.median(r["rates"]))
-    med = {v: bench_common.median(rs) for v, rs in rates.items()}
-    out["throughput"] = {
-        "examples_per_s": med, "runs": rates,
-        "ratio_vs_plain": med["tfdp"] / med["plain"],
-        "ratio_vs_backups_without_position": med["tfdp"] / med["no_position"],
-        "target": {"min": 0.97, "met": med["tfdp"] / med["plain"] >= 0.97}}
-    print(f"fit examples/s (median of {throughput_rounds} runs): {med}; tfdp/plain "
-          f"{out['throughput']['ratio_vs_plain']:.3f} (target >= 0.97), tfdp/backups without "
-          f"the data position {out['throughput']['ratio_vs_backups_without_position']:.3f}")
+    if "resume" in FLAGS.dp_parts:
+      out["resume"] = _resume_part(base, log, steps, rounds, stock_max)
+    if "state" in FLAGS.dp_parts:
+      _, state = _child(["--dp_role=state", f"--dp_dir={base}"],
+                        os.path.join(base, "state.json"), log)
+      out["state_bytes"] = state
+      print("iterator state after 100 steps: " + json.dumps(state))
+    if "throughput" in FLAGS.dp_parts:
+      out["throughput"] = _throughput_part(base, log, throughput_rounds)
   finally:
     log.close()
     shutil.rmtree(base, ignore_errors=True)
   return out
+
+
+def _resume_part(base, log, steps, rounds, stock_max):
+  """Process start to first step at each k, tfdp vs stock (interleaved rounds, medians)."""
+  runs = [("tfdp", k) for k in steps] + [("stock", k) for k in steps if k <= stock_max]
+  samples = {r: [] for r in runs}
+  for rnd in range(rounds):
+    for variant, k in runs[rnd % len(runs):] + runs[:rnd % len(runs)]:
+      t0, s = _child(["--dp_role=resume", f"--dp_variant={variant}", f"--dp_k={k}",
+                      f"--dp_dir={base}"], os.path.join(base, f"r-{variant}-{k}-{rnd}.json"),
+                     log)
+      samples[(variant, k)].append({"to_first_step_s": s["first_step"] - t0,
+                                    "after_imports_s": s["first_step"] - s["imported"],
+                                    "restore_s": s["restored"] - s["imported"]})
+  rows = []
+  for (variant, k), ss in samples.items():
+    row = {"variant": variant, "step": k, "rounds": len(ss)}
+    for key in ss[0]:
+      row[key] = bench_common.median([s[key] for s in ss])
+    rows.append(row)
+  stock = sorted((r for r in rows if r["variant"] == "stock"), key=lambda r: r["step"])
+  if len(stock) >= 2:
+    (k1, t1), (k2, t2) = [(r["step"], r["to_first_step_s"]) for r in stock[-2:]]
+    slope = max(0.0, (t2 - t1) / (k2 - k1))
+    rows += [{"variant": "stock", "step": k, "projected": True,
+              "to_first_step_s": t2 + slope * (k - k2)} for k in steps if k > stock_max]
+  rows.sort(key=lambda r: (r["variant"] != "tfdp", r["step"]))
+  ratios = {}
+  for variant in ("tfdp", "stock"):
+    ts = [r for r in rows if r["variant"] == variant]
+    if len(ts) >= 2:
+      ratios[variant] = ts[-1]["to_first_step_s"] / ts[0]["to_first_step_s"]
+  result = {"rows": rows, "ratio_largest_vs_smallest": ratios,
+            "target": {"max": 1.2, "met": ratios.get("tfdp", 99) <= 1.2}}
+  print(bench_common.table(rows, [
+      ("variant", "variant", None), ("step", "resume step", "{:,}"),
+      ("to_first_step_s", "start to 1st step s", "{:.2f}"),
+      ("after_imports_s", "after imports s", "{:.2f}"),
+      ("restore_s", "to restored s", "{:.2f}"), ("projected", "projected", None)]))
+  print(f"resume largest/smallest: {ratios} (tfdp target <= 1.2)")
+  return result
+
+
+def _throughput_part(base, log, throughput_rounds):
+  """fit examples/s: plain, backups with the data position, backups without (interleaved)."""
+  rates = {"plain": [], "tfdp": [], "no_position": []}
+  order = list(rates)
+  for rnd in range(throughput_rounds):
+    for variant in order[rnd % 3:] + order[:rnd % 3]:
+      env = {"TFDP_COMPAT_DISABLE": "fit_data_state"} if variant == "no_position" else None
+      _, r = _child(["--dp_role=throughput", f"--dp_variant={variant}", f"--dp_dir={base}"],
+                    os.path.join(base, f"t-{variant}-{rnd}.json"), log, env=env)
+      rates[variant].append(bench_common.median(r["rates"]))
+  med = {v: bench_common.median(rs) for v, rs in rates.items()}
+  result = {
+      "shuffle_buffer": FLAGS.dp_shuffle, "examples_per_s": med, "runs": rates,
+      "ratio_vs_plain": med["tfdp"] / med["plain"],
+      "ratio_vs_backups_without_position": med["tfdp"] / med["no_position"],
+      "target": {"min": 0.97, "met": med["tfdp"] / med["plain"] >= 0.97}}
+  print(f"fit examples/s (median of {throughput_rounds} runs, shuffle({FLAGS.dp_shuffle})): "
+        f"{med}; tfdp/plain {result['ratio_vs_plain']:.3f} (target >= 0.97), tfdp/backups "
+        f"without the data position {result['ratio_vs_backups_without_position']:.3f}")
+  return result
 
 
 def main(argv):

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import REPO, WORKERS, launch_workers
 
 SCRIPT = os.path.join(WORKERS, "data_resume.py")
-MODES = ("finite", "repeat", "arrays")
+MODES = ("finite", "repeat", "arrays", "source")
 
 
 def _run(out_root, modes, env=None, replicas=2):
@@ -45,7 +45,7 @@ def mirrored(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode,kill_at,background", [
-    ("finite", 20, "0"), ("repeat", 7, "1"), ("arrays", 26, "0")])
+    ("finite", 20, "0"), ("repeat", 7, "1"), ("arrays", 26, "0"), ("source", 17, "0")])
 def test_mirrored_fit_killed_mid_epoch_resumes_bitwise(mirrored, mode, kill_at, background):
   """`background`: async saves, whose data position is taken at the step of their variables."""
   cut = mirrored / f"cut-{mode}"

@@ -181,9 +181,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       invalid save_freq, as Keras's callback.
   """
 
-  # tfdp.compat gives the training data of a fit with this callback
-  # checkpointable iterators (tfdp.fit_hooks).
-  wants_data_state = True
+  @property
+  def wants_data_state(self) -> bool:
+    """Whether `fit` should give its data checkpointable iterators (tfdp.fit_hooks).
+
+    Not inside `tfdp.fit`, whose data starts at the restored step anyway.
+    """
+    return not self._spanning
 
   def __init__(self, backup_dir: str, save_freq: str | int | bool = "epoch",
                double_checkpoint: bool = False, delete_checkpoint: bool = True, *,

@@ -24,6 +24,7 @@ from absl import logging
 import tensorflow as tf
 
 from tfdp import cluster
+from tfdp import errors
 from tfdp import iterators
 
 _runs = threading.local()
@@ -150,11 +151,13 @@ def _swap_in_checkpointable(run: FitRun, epoch_iterator) -> None:
     run.not_saved_reason = f"a {adapter} input runs Python code tf.data cannot save"
     return
   dataset = epoch_iterator.data_adapter.get_tf_dataset()
-  if not isinstance(dataset, tf.data.Dataset):
-    run.not_saved_reason = ("the input is already a distributed dataset; make it with "
-                            "tfdp.data.checkpointable(dataset, strategy)")
-    if isinstance(epoch_iterator._distributed_dataset, iterators.CheckpointableDataset):  # pylint: disable=protected-access
-      run.dataset, run.not_saved_reason = epoch_iterator._distributed_dataset, None  # pylint: disable=protected-access
+  if not isinstance(dataset, tf.data.Dataset):  # Distributed by the user (e.g. tfdp.data).
+    try:
+      run.dataset = iterators.checkpointable(dataset)
+    except errors.ConfigError as e:
+      run.not_saved_reason = f"the input is a distributed dataset tfdp cannot save: {e}"
+      return
+    epoch_iterator._distributed_dataset = run.dataset  # pylint: disable=protected-access
     return
   if not isinstance(epoch_iterator._distributed_dataset,  # pylint: disable=protected-access
                     (tf.distribute.DistributedDataset, tf.data.Dataset)):

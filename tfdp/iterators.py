@@ -37,7 +37,7 @@ def _serialize(resource, dataset) -> tf.Tensor:
       options_lib.ExternalStatePolicy.FAIL)
   try:
     variant = gen_dataset_ops.serialize_iterator(resource, policy.value)
-  except tf.errors.FailedPreconditionError as e:
+  except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
     if "symbolic checkpointing" in e.message:
       raise errors.CheckpointError(
           f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. Turn "
@@ -226,13 +226,11 @@ class _MakesIterators:
     return it
 
 
-class CheckpointableDataset(_MakesIterators, input_lib.DistributedDataset):
-  """A distributed dataset whose iterators are `CheckpointableIterator`s.
+class _HostFed(_MakesIterators):
+  """A tf.distribute dataset whose iterators feed the replicas from host iterators."""
 
-  Made by `checkpointable()`. It counts the iterators it made (each draws new
-  seeds from the pipeline's `shuffle` seed generators), and it can be given a
-  saved position for the next iterator it makes (`set_pending`).
-  """
+  def _worker_datasets(self):
+    raise NotImplementedError
 
   def _new_iterator(self):
     canonicalize = getattr(self._strategy, "_canonicalize_devices", True)
@@ -240,7 +238,7 @@ class CheckpointableDataset(_MakesIterators, input_lib.DistributedDataset):
         _HostFedWorkerIterator(dataset=ds, worker=worker, devices=devices,
                                options=self._options, canonicalize_devices=canonicalize)
         for ds, (worker, devices) in zip(
-            self._cloned_datasets,
+            self._worker_datasets(),
             ((w, self._input_workers.compute_devices_for_worker(i))
              for i, w in enumerate(self._input_workers.worker_devices)))]
     it = CheckpointableIterator(
@@ -249,6 +247,25 @@ class CheckpointableDataset(_MakesIterators, input_lib.DistributedDataset):
         options=self._options, replica_order=self._replica_order)
     it._element_spec = self._element_spec  # pylint: disable=protected-access
     return it
+
+
+class CheckpointableDataset(_HostFed, input_lib.DistributedDataset):
+  """A distributed dataset whose iterators are `CheckpointableIterator`s.
+
+  Made by `checkpointable()`. It counts the iterators it made (each draws new
+  seeds from the pipeline's `shuffle` seed generators), and it can be given a
+  saved position for the next iterator it makes (`set_pending`).
+  """
+
+  def _worker_datasets(self):
+    return self._cloned_datasets
+
+
+class CheckpointableDatasetsFromFunction(_HostFed, input_lib.DistributedDatasetsFromFunction):
+  """`strategy.distribute_datasets_from_function` with `CheckpointableIterator`s."""
+
+  def _worker_datasets(self):
+    return self._datasets
 
 
 class LocalIterator(iterator_ops.OwnedIterator):
@@ -319,7 +336,9 @@ def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | 
 
   Args:
     dataset: a `tf.data.Dataset` of global batches (as for
-      `experimental_distribute_dataset`).
+      `experimental_distribute_dataset`), or a distributed dataset not yet
+      iterated (from `experimental_distribute_dataset` or
+      `distribute_datasets_from_function`, e.g. `tfdp.data.distribute`).
     strategy: default: the strategy in scope.
     options: `tf.distribute.InputOptions` (per-worker replication only).
     external_state_policy: how to save state tf.data cannot serialize (a
@@ -330,6 +349,8 @@ def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | 
     A `CheckpointableDataset` (a `tf.distribute.DistributedDataset`), or
     without a strategy a `LocalDataset` of `LocalIterator`s.
   """
+  if isinstance(dataset, (input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction)):
+    return _convert(dataset, external_state_policy or options_lib.ExternalStatePolicy.FAIL)
   strategy = strategy or tf.distribute.get_strategy()
   if options is not None and (options.experimental_replication_mode
                               != tf.distribute.InputReplicationMode.PER_WORKER):
@@ -346,13 +367,27 @@ def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | 
   dist = strategy.experimental_distribute_dataset(dataset, options)
   if isinstance(dist, tf.data.Dataset):  # The default strategy: one device.
     out = LocalDataset(dist)
-  elif isinstance(dist, input_lib.DistributedDataset):
-    out = CheckpointableDataset.__new__(CheckpointableDataset)
-    out.__dict__.update(dist.__dict__)
-  else:
+    out._setup(policy)  # pylint: disable=protected-access
+    return out
+  if not isinstance(dist, input_lib.DistributedDataset):
     raise errors.ConfigError(
         f"{type(strategy).__name__} does not distribute through tf.distribute's "
         "DistributedDataset; tfdp.data.checkpointable needs (MultiWorker)MirroredStrategy, "
         "OneDeviceStrategy or no strategy.")
+  return _convert(dist, policy)
+
+
+def _convert(dist, policy):
+  """The checkpointable twin of a tf.distribute dataset (iterators are made later, by it)."""
+  if isinstance(dist, _MakesIterators):
+    return dist
+  if (dist._options is not None and dist._options.experimental_replication_mode  # pylint: disable=protected-access
+      != tf.distribute.InputReplicationMode.PER_WORKER):
+    raise errors.ConfigError(
+        "tfdp.data.checkpointable supports InputReplicationMode.PER_WORKER only.")
+  cls = (CheckpointableDataset if isinstance(dist, input_lib.DistributedDataset)
+         else CheckpointableDatasetsFromFunction)
+  out = cls.__new__(cls)
+  out.__dict__.update(dist.__dict__)
   out._setup(policy)  # pylint: disable=protected-access
   return out

@@ -4,7 +4,8 @@ Usage: data_resume.py OUT_ROOT MODES [CPU_REPLICAS]. MODES: comma-separated,
 each trained in turn into OUT_ROOT/MODE: `repeat` (a repeated
 dataset with steps_per_epoch: one iterator across epochs), `finite` (a new
 iterator each epoch, unknown cardinality), `arrays` (numpy arrays straight
-to fit) or `data` (auto-shard policy DATA instead of FILE). The pipeline is
+to fit), `data` (auto-shard policy DATA instead of FILE) or `source` (a
+tfdp.data source, tfdp.data.distribute, under plain fit). The pipeline is
 TFRecord files, interleave, shuffle(buffer, seed), a map with stateless
 augmentation, batch and prefetch; the model has dropout; TF op determinism
 is on. Env TFDP_TEST_KILL_AT=N: the process SIGKILLs itself after global step
@@ -98,10 +99,15 @@ def train(out_dir, mode, strategy, worker):
   backup = tfdp.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=3,
                                            async_save=os.environ.get("TFDP_TEST_ASYNC") == "1")
   callbacks = [backup, KillAt(worker)]
-  if mode == "arrays":
+  if mode in ("arrays", "source"):
     x, y = zip(*make_dataset(paths, "finite").unbatch().as_numpy_iterator())
-    model.fit(np.stack(x), np.array(y), batch_size=BATCH, epochs=3, callbacks=callbacks,
-              verbose=0)
+    x, y = np.stack(x), np.array(y)
+  if mode == "arrays":
+    model.fit(x, y, batch_size=BATCH, epochs=3, callbacks=callbacks, verbose=0)
+  elif mode == "source":
+    dist = tfdp.data.distribute(strategy, tfdp.data.ArraySource((x, y)),
+                                global_batch_size=BATCH, seed=3)
+    model.fit(dist, epochs=3, steps_per_epoch=len(x) // BATCH, callbacks=callbacks, verbose=0)
   else:
     kwargs = {"steps_per_epoch": 5} if mode == "repeat" else {}
     model.fit(make_dataset(paths, mode), epochs=3, callbacks=callbacks, verbose=0, **kwargs)
