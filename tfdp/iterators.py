@@ -17,6 +17,7 @@ state, interleave cycle and prefetched elements) is the exact data position.
 
 from __future__ import annotations
 
+import re
 import threading
 from absl import logging
 import tensorflow as tf
@@ -32,24 +33,41 @@ from tfdp import errors
 
 
 
+# Ops whose state lives in Python (from_generator, py_function): a saved
+# position would not hold it, so such a pipeline is not saved at all.
+_PYTHON_STATE = ("PyFunc", "EagerPyFunc", "generator")
+
+
 def _serialize(resource, dataset) -> tf.Tensor:
   policy = dataset.external_state_policy if dataset is not None else (
       options_lib.ExternalStatePolicy.FAIL)
   try:
     variant = gen_dataset_ops.serialize_iterator(resource, policy.value)
   except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
+    reason = re.sub(r"\{\{.*?\}\}\s*", "", e.message.splitlines()[-1]).split(" [Op:")[0].rstrip(".")
     if "symbolic checkpointing" in e.message:
       raise errors.CheckpointError(
-          f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. Turn "
+          f"the input pipeline cannot be saved: {reason}. Turn "
           "tf.data.Options().experimental_symbolic_checkpoint off (tf.distribute "
           "rebatches the input for more than one replica with RebatchDatasetV2, "
           "which does not support it).") from None
-    raise errors.CheckpointError(
-        f"the input pipeline cannot be saved: {e.message.splitlines()[-1]}. "
-        "A transformation holds state tf.data cannot serialize (a stateful "
-        "op in a map, e.g. tf.random.* without a seed; use tf.random.stateless_* "
-        "or set tf.data.Options().experimental_external_state_policy to "
-        "IGNORE to save the rest).") from None
+    if "stateful" not in e.message or any(op in e.message for op in _PYTHON_STATE):
+      raise errors.CheckpointError(
+          f"the input pipeline cannot be saved: {reason}. A transformation keeps "
+          "its state in Python (from_generator, py_function) or elsewhere tf.data "
+          "cannot serialize.") from None
+    # A stateful op such as tf.image.random_flip_*: the position is saved
+    # exactly, that op's random state is not.
+    if dataset is not None and not getattr(dataset, "_warned_stateful", False):
+      dataset._warned_stateful = True  # pylint: disable=protected-access
+      logging.warning(
+          "tfdp: %s; saving the data position without that op's random state, so "
+          "after a resume its random numbers differ from an uninterrupted run's. "
+          "For a bitwise resume use tf.random.stateless_* ops seeded from the "
+          "element, or set tf.data.Options().experimental_external_state_policy.",
+          reason)
+    variant = gen_dataset_ops.serialize_iterator(
+        resource, options_lib.ExternalStatePolicy.IGNORE.value)
   return tf.io.serialize_tensor(variant)
 
 
