@@ -1,0 +1,108 @@
+"""tfdp.data.checkpointable in-process: TF's elements, an exact saved position, and clear limits.
+
+The in-process tests mirror over 2 logical CPUs (tests/conftest.py).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp import errors
+from tfdp import iterators
+
+
+@pytest.fixture(scope="module")
+def strategy():
+  devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+  assert len(devices) == 2
+  return tf.distribute.MirroredStrategy(devices)
+
+
+def _pipeline(symbolic=False):
+  ds = (tf.data.Dataset.range(1000).shuffle(50, seed=1)
+        .map(lambda x: (x, tf.random.stateless_uniform([], seed=tf.stack([x, x]))))
+        .batch(8).prefetch(2))
+  if symbolic:
+    options = tf.data.Options()
+    options.experimental_symbolic_checkpoint = True
+    ds = ds.with_options(options)
+  return ds
+
+
+def _local(strategy, value):
+  return [np.concatenate([t.numpy() for t in strategy.experimental_local_results(v)])
+          for v in value]
+
+
+def test_same_elements_as_stock_and_an_exact_position_through_tf_checkpoint(strategy, tmp_path):
+  stock = iter(strategy.experimental_distribute_dataset(_pipeline()))
+  it = iter(iterators.checkpointable(_pipeline(), strategy))
+
+  @tf.function
+  def step(iterator):
+    return next(iterator)
+
+  expected = [_local(strategy, next(stock)) for _ in range(6)]
+  got = [_local(strategy, step(it)) for _ in range(3)]
+  path = tf.train.Checkpoint(data=it).write(str(tmp_path / "ckpt"))
+  got += [_local(strategy, step(it)) for _ in range(3)]
+  for a, b in zip(expected, got):
+    np.testing.assert_array_equal(a[0], b[0])
+  again = iter(iterators.checkpointable(_pipeline(), strategy))
+  tf.train.Checkpoint(data=again).read(path).assert_consumed()
+  for a in expected[3:]:
+    np.testing.assert_array_equal(a[0], _local(strategy, step(again))[0])
+  assert step.experimental_get_tracing_count() == 1  # a composite tensor, like TF's
+
+
+def test_pending_state_goes_into_the_next_iterator_after_aligning_the_count(strategy):
+  dist = iterators.checkpointable(_pipeline(), strategy)
+  first = iter(dist)
+  next(first)
+  state = first.state()
+  expected = _local(strategy, next(first))
+  fresh = iterators.checkpointable(_pipeline(), strategy)
+  fresh.set_pending(state, iterators_made=3)
+  resumed = iter(fresh)
+  assert fresh.iterators_made == 4 and resumed._index == 4  # pylint: disable=protected-access
+  np.testing.assert_array_equal(expected[0], _local(strategy, next(resumed))[0])
+
+
+def test_no_strategy_gives_local_iterators():
+  dist = iterators.checkpointable(_pipeline(), tf.distribute.get_strategy())
+  it = iter(dist)
+  next(it)
+  state = it.state()
+  expected = next(it)[0].numpy()
+  again = iter(iterators.checkpointable(_pipeline(), tf.distribute.get_strategy()))
+  again.restore_state(state)
+  np.testing.assert_array_equal(expected, next(again)[0].numpy())
+
+
+def test_a_stateful_random_op_saves_the_position_with_a_warning(strategy, caplog):
+  ds = tf.data.Dataset.range(100).map(
+      lambda x: tf.cast(x, tf.float32) + tf.random.uniform([], seed=1)).batch(4)
+  it = iter(iterators.checkpointable(ds, strategy))
+  next(it)
+  assert it.state() and it.state()
+  warnings = [r for r in caplog.records if "RandomUniform is stateful" in r.getMessage()]
+  assert len(warnings) == 1  # once per dataset
+
+
+def test_python_state_and_symbolic_under_two_replicas_are_refused(strategy):
+  gen = tf.data.Dataset.from_generator(lambda: iter(range(10)),
+                                       output_signature=tf.TensorSpec([], tf.int64)).batch(2)
+  it = iter(iterators.checkpointable(gen, strategy))
+  next(it)
+  with pytest.raises(errors.CheckpointError, match="PyFunc is stateful"):
+    it.state()
+  it = iter(iterators.checkpointable(_pipeline(symbolic=True), strategy))
+  next(it)
+  with pytest.raises(errors.CheckpointError, match="Rebatch.*symbolic"):
+    it.state()
+
+
+def test_nondeterministic_orders_are_named():
+  assert iterators.nondeterminism(_pipeline()) == []
+  parallel = tf.data.Dataset.range(5).map(lambda x: x, num_parallel_calls=2, deterministic=False)
+  assert iterators.nondeterminism(parallel) == ["ParallelMapDatasetV2 has deterministic=False"]
