@@ -150,3 +150,26 @@ def write_json(path, obj):
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=1, sort_keys=True, default=str)
   os.replace(tmp, path)
+
+
+def resume_rows(samples, steps, stock_max):
+  """Median rows of resume samples {(variant, step): [dict]}, stock projected past stock_max.
+
+  Stock beyond `stock_max` is a line through its two largest measured steps
+  (its cost grows linearly with the step); those rows have `projected`.
+  Sorted tfdp first, then by step.
+  """
+  rows = []
+  for (variant, k), ss in samples.items():
+    row = {"variant": variant, "step": k, "rounds": len(ss)}
+    for key in ss[0]:
+      row[key] = median([s[key] for s in ss])
+    rows.append(row)
+  stock = sorted((r for r in rows if r["variant"] == "stock"), key=lambda r: r["step"])
+  if len(stock) >= 2:
+    (k1, t1), (k2, t2) = [(r["step"], r["to_first_step_s"]) for r in stock[-2:]]
+    slope = max(0.0, (t2 - t1) / (k2 - k1))
+    rows += [{"variant": "stock", "step": k, "projected": True,
+              "to_first_step_s": t2 + slope * (k - k2)} for k in steps if k > stock_max]
+  rows.sort(key=lambda r: (r["variant"] != "tfdp", r["step"]))
+  return rows

@@ -285,19 +285,7 @@ def _resume_part(base, log, steps, rounds, stock_max):
       samples[(variant, k)].append({"to_first_step_s": s["first_step"] - t0,
                                     "after_imports_s": s["first_step"] - s["imported"],
                                     "restore_s": s["restored"] - s["imported"]})
-  rows = []
-  for (variant, k), ss in samples.items():
-    row = {"variant": variant, "step": k, "rounds": len(ss)}
-    for key in ss[0]:
-      row[key] = bench_common.median([s[key] for s in ss])
-    rows.append(row)
-  stock = sorted((r for r in rows if r["variant"] == "stock"), key=lambda r: r["step"])
-  if len(stock) >= 2:
-    (k1, t1), (k2, t2) = [(r["step"], r["to_first_step_s"]) for r in stock[-2:]]
-    slope = max(0.0, (t2 - t1) / (k2 - k1))
-    rows += [{"variant": "stock", "step": k, "projected": True,
-              "to_first_step_s": t2 + slope * (k - k2)} for k in steps if k > stock_max]
-  rows.sort(key=lambda r: (r["variant"] != "tfdp", r["step"]))
+  rows = bench_common.resume_rows(samples, steps, stock_max)
   ratios = {}
   for variant in ("tfdp", "stock"):
     ts = [r for r in rows if r["variant"] == variant]

@@ -247,22 +247,7 @@ def main(argv):
       logging.info("round %d done", rnd)
   finally:
     log.close()
-  rows = []
-  for (variant, k), ss in samples.items():
-    row = {"variant": variant, "step": k, "rounds": len(ss)}
-    for key in ss[0]:
-      row[key] = bench_common.median([s[key] for s in ss])
-    rows.append(row)
-  # Stock beyond stock_max: a line through its two largest measured steps.
-  stock = sorted((r for r in rows if r["variant"] == "stock"), key=lambda r: r["step"])
-  if len(stock) >= 2:
-    (k1, t1), (k2, t2) = [(r["step"], r["to_first_step_s"]) for r in stock[-2:]]
-    slope = max(0.0, (t2 - t1) / (k2 - k1))
-    for k in steps:
-      if k > stock_max:
-        rows.append({"variant": "stock", "step": k, "projected": True,
-                     "to_first_step_s": t2 + slope * (k - k2)})
-  rows.sort(key=lambda r: (r["variant"] != "tfdp", r["step"]))
+  rows = bench_common.resume_rows(samples, steps, stock_max)
   ratios, ratios_after_imports = {}, {}
   for variant in ("tfdp", "stock"):
     ts = [r for r in rows if r["variant"] == variant]
