@@ -7,8 +7,9 @@ one-shot import hook before any part of tfdp that may use Keras is used:
 
 - `tfdp.make_strategy`, `from tfdp import callbacks`, `import tfdp.callbacks`,
   `from tfdp.checkpoint import CheckpointManager`, ...: the first tfdp module
-  loaded other than tfdp.launch, tfdp.errors and tfdp.compat itself applies
-  them as soon as it has run, before the import statement returns;
+  loaded other than tfdp.launch, tfdp.errors, tfdp.goodput and tfdp.compat
+  itself applies them as soon as it has run, before the import statement
+  returns;
 - `import tfdp` in a program that has imported Keras already applies them at
   once (loading them then costs nothing).
 """
@@ -30,6 +31,7 @@ _PUBLIC = {
     "errors": None,
     "export": None,
     "fit": "tfdp.training",
+    "goodput": None,
     "make_strategy": "tfdp.strategy",
     "preemption": None,
     "summaries": None,
@@ -37,13 +39,14 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-# Submodules whose import does not apply tfdp.compat: the launcher's (they
-# import no TensorFlow) and tfdp.compat, which applies nothing by itself.
-_WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat")
+# Submodules whose import does not apply tfdp.compat: the launcher's and
+# tfdp.goodput, which the launcher uses (they import no TensorFlow), and
+# tfdp.compat, which applies nothing by itself.
+_WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput")
 
 if TYPE_CHECKING:
   # pylint: disable=g-import-not-at-top,g-bad-import-order
-  from tfdp import callbacks, cluster, data, errors, export, preemption, summaries
+  from tfdp import callbacks, cluster, data, errors, export, goodput, preemption, summaries
   from tfdp.checkpoint import CheckpointManager
   from tfdp.state import TrainState
   from tfdp.strategy import make_strategy

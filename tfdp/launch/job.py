@@ -1,12 +1,15 @@
 """The restart loop of tfdp-launch: attempts of one worker group until it succeeds, is signalled or runs out of restarts."""
 
 import dataclasses
+import os
 import shutil
 import signal
 import tempfile
+import time
 from typing import Mapping, Optional, Sequence, TextIO
 
 from tfdp import errors
+from tfdp import goodput
 from tfdp.launch import output
 from tfdp.launch import procs
 from tfdp.launch import signals
@@ -114,6 +117,10 @@ def launch(command: Sequence[str], num_workers: int,
   return _Job(command, num_workers, env, options, out).run()
 
 
+def _record_path(heartbeat_dir, attempt):
+  return os.path.join(heartbeat_dir, f"attempt{attempt}.goodput.json")
+
+
 class _Job:
   """One `launch`: the attempts, the signal that may end them, and the causes of each restart."""
 
@@ -128,6 +135,8 @@ class _Job:
     self.group = None
     self.signum = None
     self.causes = []
+    # Each attempt as goodput.summarize takes it, the chief's record included.
+    self.goodput = []
 
   def on_signal(self, signum):
     """The signal handler: records, forwards and queues a line; never blocks."""
@@ -165,6 +174,7 @@ class _Job:
         return EXIT_WORKER_FAILED
       group.start()
       failure = group.watch()
+      self._account(attempt, group, failure, heartbeat_dir)
       if self.signum is not None:
         return self._after_signal(group, failure)
       if self.options.elastic:
@@ -173,18 +183,53 @@ class _Job:
       if failure is None:
         if attempt:
           self.log(f"job finished after {attempt} restart(s).")
+        self._report_goodput()
         return EXIT_OK
       self.causes.append(f"attempt {attempt + 1}: {failure.message}")
       if attempt >= self.options.max_restarts:
-        return self._give_up(attempt)
+        code = self._give_up(attempt)
+        self._report_goodput()
+        return code
       attempt += 1
       self.log(f"restart {attempt}/{self.options.max_restarts}: {failure.message}; "
                "restarting the group from the newest intact checkpoint.")
 
+  def _goodput_env(self, attempt, heartbeat_dir):
+    """The workers' environment for `attempt`, with where its goodput record goes and what came before."""
+    env = dict(os.environ if self.env is None else self.env)
+    history = os.path.join(heartbeat_dir, f"attempt{attempt}.history.json")
+    goodput.write_json_atomic(history, {"attempts": self.goodput})
+    env[goodput.ENV_HISTORY] = history
+    env[goodput.ENV_FILE] = _record_path(heartbeat_dir, attempt)
+    high_water = goodput.high_water(self.goodput)
+    env.pop(goodput.ENV_HIGH_WATER, None)
+    if high_water is not None:
+      env[goodput.ENV_HIGH_WATER] = str(high_water)
+    return env
+
+  def _account(self, attempt, group, failure, heartbeat_dir):
+    """Keeps what goodput accounting needs of an attempt that ended."""
+    self.goodput.append({
+        "attempt": attempt, "spawn": group.started_at,
+        "end": (group.failed_at if failure is not None else group.ended_at) or time.time(),
+        "failed": failure is not None,
+        "heartbeat_steps": group.steps_at_failure if failure is not None else [],
+        "record": goodput.read_json(_record_path(heartbeat_dir, attempt)),
+    })
+
+  def _report_goodput(self):
+    """Logs the goodput line and writes goodput.json, for a job whose workers kept records."""
+    if not any(a["record"] for a in self.goodput):
+      return  # not a tfdp training job (or one that never got as far)
+    summary = goodput.summarize(self.goodput, time.time())
+    self.log(goodput.summary_line(summary))
+    goodput.write_summary(summary["directory"], summary)
+
   def _group(self, attempt, heartbeat_dir):
     o = self.options
     group = procs.Launcher(
-        self.command, len(self.slots.active), port=o.port, env=self.env,
+        self.command, len(self.slots.active), port=o.port,
+        env=self._goodput_env(attempt, heartbeat_dir),
         grace_seconds=o.grace_seconds, out=self.output, slots=self.slots.active,
         hosts=o.hosts, wrapper=o.wrapper, attempt=attempt,
         hang_timeout=o.hang_timeout, startup_timeout=o.startup_timeout,

@@ -11,6 +11,7 @@ import time
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence, TextIO, Union
 
 from tfdp import errors
+from tfdp import goodput
 from tfdp.launch.addresses import cluster_spec
 from tfdp.launch.addresses import tf_config
 from tfdp.launch.output import Output
@@ -143,7 +144,8 @@ class Launcher:
     port: first port of the cluster, or None for free ports.
     env: environment of the workers (default: ours); TF_CONFIG is set per
       worker and TFDP_WORKER_INDEX, TFDP_NUM_WORKERS, TFDP_SLOT,
-      TFDP_RESTART_COUNT and TFDP_HEARTBEAT_FILE are added.
+      TFDP_RESTART_COUNT, TFDP_HEARTBEAT_FILE and TFDP_ATTEMPT_START (the
+      time of the spawn, for goodput accounting) are added.
     grace_seconds: time between SIGTERM and SIGKILL when stopping workers.
     out: where prefixed worker output goes (default: sys.stdout); a stream,
       or an `Output` shared with the caller.
@@ -207,6 +209,12 @@ class Launcher:
     self._kill_at = None      # monotonic time of the SIGKILL that follows it
     self._grace = None        # the grace period that ends there
     self._killed = False
+    # For goodput accounting (time.time()): the spawn, the failure's
+    # detection, each worker's last heartbeat step then, the group's end.
+    self.started_at = None
+    self.failed_at = None
+    self.steps_at_failure = []
+    self.ended_at = None
 
   def _argv(self, index):
     if not self.wrapper:
@@ -223,6 +231,7 @@ class Launcher:
     env["TFDP_SLOT"] = str(self.slots[i])
     env[ENV_RESTART_COUNT] = str(self.attempt)
     env[ENV_HEARTBEAT_FILE] = self.heartbeat_files[i]
+    env[goodput.ENV_ATTEMPT_START] = repr(self.started_at)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -235,6 +244,7 @@ class Launcher:
     Raises:
       ConfigError: if a worker cannot be started (the others are stopped).
     """
+    self.started_at = time.time()
     for i in range(self.num_workers):
       self.heartbeat_files.append(os.path.join(
           self.heartbeat_dir, f"attempt{self.attempt}-worker{i}.heartbeat"))
@@ -329,6 +339,16 @@ class Launcher:
     except (OSError, IndexError):
       return None
 
+  def last_steps(self) -> list[Optional[int]]:
+    """Each worker's last heartbeat step (None: no heartbeat, or not a step)."""
+    steps = []
+    for i in range(len(self.heartbeat_files)):
+      try:
+        steps.append(int(self._last_step(i)))
+      except (TypeError, ValueError):
+        steps.append(None)
+    return steps
+
   def _hung(self, codes, now, progress, seen, beaten):
     """The Failure of the first live worker past its heartbeat limit, or None."""
     for i, code in enumerate(codes):
@@ -381,12 +401,14 @@ class Launcher:
         if failure is None and self.hang_timeout > 0:
           failure = self._hung(codes, now, progress, seen, beaten)
         if failure is not None:
+          self.failed_at, self.steps_at_failure = time.time(), self.last_steps()
           self.log(f"{failure.message}; stopping the other workers.")
           self.stop(grace_seconds=(
               self.grace_seconds if failure.kind == "preempted" else
               min(self.grace_seconds, FAILED_GROUP_GRACE_SECONDS)))
           codes = self.codes()
       if all(c is not None for c in codes):
+        self.ended_at = time.time()
         break
       self._enforce_grace(now)
       time.sleep(poll_seconds)
