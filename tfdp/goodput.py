@@ -43,7 +43,7 @@ def read_json(path: Optional[str]) -> Any:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-  """Writes `obj` as JSON to `path` so that a reader sees all of it or the old file (temp + rename)."""
+  """Writes `obj` as JSON to `path`: a reader sees all of it or the old file (temp, rename)."""
   tmp = f"{path}.tmp-{os.getpid()}"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=1, sort_keys=True)

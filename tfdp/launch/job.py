@@ -195,7 +195,7 @@ class _Job:
                "restarting the group from the newest intact checkpoint.")
 
   def _goodput_env(self, attempt, heartbeat_dir):
-    """The workers' environment for `attempt`, with where its goodput record goes and what came before."""
+    """The workers' environment for `attempt`: its goodput record, history and high water."""
     env = dict(os.environ if self.env is None else self.env)
     history = os.path.join(heartbeat_dir, f"attempt{attempt}.history.json")
     goodput.write_json_atomic(history, {"attempts": self.goodput})
