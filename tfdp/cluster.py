@@ -454,11 +454,49 @@ def peers(strategy: Any) -> tuple[tuple[str, int], ...]:
 # -- Agreement ----------------------------------------------------------------
 
 
+def gather(values, strategy: Any = None):
+  """One small all-reduce: every worker's `values`, as a [workers, len(values)] array, the same on every worker.
+
+  Each worker contributes its vector once, from its first local replica.
+  Every worker must call it at the same point of the program, with vectors
+  of the same length, as any collective.
+
+  Args:
+    values: this worker's numbers (integers up to 2**53 come back exact).
+    strategy: the multi-worker strategy; None: the one in scope.
+
+  Returns:
+    A float64 numpy array, row w holding worker w's values; one row when
+    there is no multi-worker strategy.
+  """
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  own = [float(v) for v in values]
+  if strategy is None:
+    strategy = tf.distribute.get_strategy()
+  if not is_multi_worker(strategy):
+    return np.array([own], np.float64).reshape(1, len(own))
+  workers = strategy.extended._num_workers  # pylint: disable=protected-access
+  local = len(strategy.extended.worker_devices)
+
+  # An all-gather made of one SUM all-reduce: worker w's first replica puts
+  # its values in row w, every other entry is 0, so each entry has exactly
+  # one non-zero addend and comes back exact. (Strategy.gather would retrace
+  # a tf.function on every call; SUM is the only exact reduction TF offers.)
+  def value_fn(ctx):
+    rows = np.zeros((workers, len(own)), np.float64)
+    if ctx.replica_id_in_sync_group % local == 0:
+      rows[ctx.replica_id_in_sync_group // local] = own
+    return tf.constant(rows)
+
+  per_replica = strategy.experimental_distribute_values_from_function(value_fn)
+  return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()
+
+
 def agree(value: float, op: str = "max", strategy: Any = None) -> float:
   """One tiny all-reduce: the `op` of every worker's `value`, the same on every worker.
 
-  Each worker contributes `value` once, from its first local replica. Every
-  worker must call it at the same point of the program, as any collective.
+  Every worker must call it at the same point of the program, as any collective.
 
   Args:
     value: this worker's number (integers up to 2**53 come back exact).
@@ -473,25 +511,5 @@ def agree(value: float, op: str = "max", strategy: Any = None) -> float:
   """
   if op not in OPS:
     raise errors.ConfigError(f"Unknown op {op!r}; choose one of {', '.join(OPS)}.")
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if strategy is None:
-    strategy = tf.distribute.get_strategy()
-  if not is_multi_worker(strategy):
-    return float(value)
-  workers = strategy.extended._num_workers  # pylint: disable=protected-access
-  local = len(strategy.extended.worker_devices)
-  own = float(value)
-
-  # An all-gather made of one SUM all-reduce: worker w's first replica puts
-  # its value in slot w, every other entry is 0, so each slot has exactly one
-  # non-zero addend and comes back exact. (Strategy.gather would retrace a
-  # tf.function on every call; SUM is the only exact reduction TF offers.)
-  def value_fn(ctx):
-    slots = [0.0] * workers
-    if ctx.replica_id_in_sync_group % local == 0:
-      slots[ctx.replica_id_in_sync_group // local] = own
-    return tf.constant(slots, tf.float64)
-
-  values = strategy.experimental_distribute_values_from_function(value_fn)
-  gathered = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
-  return float({"max": gathered.max, "min": gathered.min, "sum": gathered.sum}[op]())
+  column = gather([value], strategy)[:, 0]
+  return float({"max": column.max, "min": column.min, "sum": column.sum}[op]())

@@ -11,6 +11,8 @@ MANIFEST_SUFFIX = ".manifest.json"
 CORRUPT_SUFFIX = ".corrupt"
 TMP_DIRNAME = ".tfdp-tmp"
 LEASE_FILENAME = ".tfdp-lease.json"
+# The run token local-tier checkpoints must match (tfdp.checkpoint.tiers).
+TIERS_FILENAME = ".tfdp-tiers.json"
 # TF's own state file (tf.train.get_checkpoint_state reads it).
 STATE_FILENAME = "checkpoint"
 # Root of the keys of per-worker state: `_tfdp_per_worker/<worker>/<key>`.
@@ -85,6 +87,17 @@ class Layout:
   @property
   def lease_path(self) -> str:
     return os.path.join(self.directory, LEASE_FILENAME)
+
+  @property
+  def tiers_path(self) -> str:
+    return os.path.join(self.directory, TIERS_FILENAME)
+
+  def committed(self) -> list[str]:
+    """Prefixes of the checkpoints with a manifest, oldest (lowest number) first."""
+    found = self.scan()
+    bases = [b for b, kinds in found.items() if "manifest" in kinds]
+    return [os.path.join(self.directory, b)
+            for b in sorted(bases, key=lambda b: int(b.rsplit("-", 1)[1]))]
 
   @property
   def state_path(self) -> str:

@@ -25,7 +25,12 @@ from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint import retention
 from tfdp.checkpoint import session as session_lib
 from tfdp.checkpoint import storage
+from tfdp.checkpoint import tiers
 
+
+# Outcomes of one worker's restore in the tiered protocol.
+_OK = "ok"
+_DAMAGED = "damaged"
 
 
 def _number(value):
@@ -87,6 +92,14 @@ class CheckpointManager:
     commit_timeout: seconds the chief waits for the other workers' shards.
     verify_on_restore: check file sizes before restoring.
     keep_every_n_hours: deprecated name of keep_checkpoint_every_n_hours.
+    local_checkpoint_dir: the local tier: a per-host directory (default,
+      with local_checkpoint_every_steps: under /dev/shm) where each worker
+      keeps whole copies of the state, saved by `save_local()` in the
+      background, the newest LOCAL_KEEP (2) kept. Restores then take the
+      newest state any worker can have (see restore_newest_intact).
+    local_checkpoint_every_steps: how often the training loop saves locally
+      (read by callers: tfdp.callbacks and `save()` with `step_counter`,
+      which saves locally when the persistent interval is not due).
 
   Raises:
     ConfigError: a bad argument, or a cluster without a strategy.
@@ -104,7 +117,9 @@ class CheckpointManager:
                worker_index: int | None = None, num_workers: int | None = None,
                strategy=None, run_id: str | None = None,
                global_batch_size: int | None = None, commit_timeout: float = 300.0,
-               verify_on_restore: bool = True, keep_every_n_hours: float | None = None):
+               verify_on_restore: bool = True, keep_every_n_hours: float | None = None,
+               local_checkpoint_dir: str | None = None,
+               local_checkpoint_every_steps: int | None = None):
     if not isinstance(checkpoint, tf.train.Checkpoint):
       raise errors.ConfigError(
           f"checkpoint must be a tf.train.Checkpoint, got {type(checkpoint)}; "
@@ -147,12 +162,40 @@ class CheckpointManager:
                                num_workers=num_workers)
     self._lock = threading.Lock()
     self._writer = async_writer.AsyncWriter()
+    self._local_writer = async_writer.AsyncWriter()
     self._seq = 0
+    self._local_seq = 0
     self._renewer = None
+    self._local = self._local_tier(local_checkpoint_dir, local_checkpoint_every_steps,
+                                   checkpoint_name)
+    self.restored_tier = None
+    self.local_saves_skipped = 0
+    if self._local is not None and self._me.is_chief:
+      fs.makedirs(self._directory)
+      token = tiers.ensure_token(self._layout)
     self._session, lease = session_lib.start(self._me, self._layout, run_id, self._timeout)
     if lease is not None:
       self._renewer = lease_lib.Renewer(self._layout.lease_path, lease, self)
+    if self._local is not None:
+      if not self._me.is_chief:
+        token = tiers.read_token(self._layout, self._timeout)
+      self._local.start(token, self._session)
     self._catalog = catalog_lib.read(self._layout, time.time())
+
+  def _local_tier(self, directory, every_steps, name):
+    if directory is None and not every_steps:
+      return None
+    if every_steps is not None and every_steps < 0:
+      raise errors.ConfigError(
+          f"local_checkpoint_every_steps={every_steps}: pass a positive number of steps.")
+    if self._me.count > 1 and self._me.strategy is None:
+      raise errors.ConfigError(
+          "The local checkpoint tier needs a MultiWorkerMirroredStrategy with "
+          f"{self._me.count} workers: the workers agree on the newest state and "
+          "recover lost copies through its collectives. Build the manager under "
+          "strategy.scope() or pass strategy=.")
+    root = os.fspath(directory) if directory else tiers.default_local_dir(self._directory)
+    return tiers.LocalTier(root, self._me.index, self._me.count, name, every_steps or None)
 
   def _acquire(self, session):
     lease = lease_lib.acquire(self._layout.lease_path, session, self._directory)
@@ -192,6 +235,20 @@ class CheckpointManager:
   worker_index = property(lambda self: self._me.index, doc="This worker's index.")
   num_workers = property(lambda self: self._me.count, doc="Number of workers.")
 
+  @property
+  def local_checkpoint_every_steps(self) -> int | None:
+    """How often the training loop saves to the local tier (None: no local tier or no cadence)."""
+    return self._local.every_steps if self._local is not None else None
+
+  @property
+  def local_directory(self) -> str | None:
+    """This worker's local-tier directory, or None."""
+    return self._local.layout.directory if self._local is not None else None
+
+  def local_checkpoints(self) -> list[str]:
+    """Prefixes of this worker's committed local checkpoints, oldest first."""
+    return self._local.layout.committed() if self._local is not None else []
+
   def save(self, checkpoint_number=None, check_interval: bool = True, options=None,
            *, metrics: dict | None = None) -> str | None:
     """Saves a checkpoint; every worker must call it.
@@ -216,15 +273,14 @@ class CheckpointManager:
     self._writer.wait()
     step = self._decide(check_interval)
     if step is False:
+      if (self._local is not None and self._local.every_steps and check_interval
+          and self._step_counter is not None):
+        now = _number(self._step_counter)
+        if now % self._local.every_steps == 0:
+          self.save_local(now)
       return None
     number, prefix = self._number(checkpoint_number)
-    meta = manifest_lib.SaveMeta(
-        checkpoint_number=number, step=number if step is None else step,
-        metrics={str(k): float(v) for k, v in (metrics or {}).items()},
-        global_batch_size=self._global_batch_size,
-        per_worker_keys=sorted(self._per_worker),
-        versions={"tfdp": tfdp.__version__, "tensorflow": tf.__version__,
-                  "keras": keras.__version__})
+    meta = self._meta(number, number if step is None else step, metrics)
     sweep = self._plan_retention(prefix, meta)
     plan = self._plan()
     if self._me.is_chief and self._renewer is None:  # Released by close().
@@ -245,6 +301,90 @@ class CheckpointManager:
     else:
       self._run(job, sweep, callbacks)
     return prefix
+
+  def save_local(self, step: int | None = None) -> str | None:
+    """Saves a whole copy of the state to this worker's local tier, in the background.
+
+    It blocks only to take the state (a host snapshot, as an async save);
+    each worker writes its own copy without talking to the others, so the
+    workers may call it at different steps. A save while the previous one
+    is still being written is skipped (counted in `local_saves_skipped`);
+    a failed local save is logged, and training goes on.
+
+    Args:
+      step: the global step (default: `step_counter`'s value).
+
+    Returns:
+      The local prefix, or None when skipped.
+
+    Raises:
+      ConfigError: the manager has no local tier, or no step is known.
+    """
+    if self._local is None:
+      raise errors.ConfigError(
+          "save_local() needs a local tier: pass local_checkpoint_dir= or "
+          "local_checkpoint_every_steps= to the CheckpointManager.")
+    if step is None:
+      if self._step_counter is None:
+        raise errors.ConfigError("save_local() needs step= or the manager's step_counter.")
+      step = _number(self._step_counter)
+    step = _number(step)
+    if self._local_writer.running():
+      self.local_saves_skipped += 1
+      return None
+    self._wait_local()
+    prefix = self._local.layout.prefix(step)
+    if fs.exists(layout_lib.manifest_path(prefix)):
+      return prefix
+    items = items_lib.gather(self._checkpoint)
+    required = False
+    if self._per_worker_ckpt is not None:
+      items += items_lib.gather(self._per_worker_ckpt,
+                                layout_lib.per_worker_prefix(self._me.index),
+                                with_object_graph=False)
+      required = any(getattr(obj, "tfdp_required", True) for obj in self._per_worker.values())
+    files = [items_lib.snapshot(f) for f in planner.split_for_parallel_write(items)]
+    meta = self._meta(step, step, None, tier="local", run_token=self._local.token,
+                      per_worker_required=required)
+    job = self._local.job(step, self._local_save_id(), files, meta, self._timeout)
+    local = self._local
+
+    def write():
+      storage.run(job)
+      local.prune()
+
+    self._local_writer.submit(write)
+    return prefix
+
+  def drop_local(self) -> None:
+    """Deletes this worker's local copies (e.g. once training completed and the persistent tier has the end)."""
+    if self._local is None:
+      return
+    self._wait_local()
+    for prefix in self._local.layout.committed():
+      self._local.delete(prefix)
+
+  def _local_save_id(self):
+    # Not the persistent saves' sequence: that one names their shared temp
+    # dir, and must stay the same on every worker.
+    self._local_seq += 1
+    return f"{self._session}-local{self._local_seq:06d}"
+
+  def _wait_local(self):
+    try:
+      self._local_writer.wait()
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("tfdp: a local checkpoint save failed (training goes on; the "
+                      "persistent tier is not affected): %s", e)
+
+  def _meta(self, number, step, metrics, **extra):
+    return manifest_lib.SaveMeta(
+        checkpoint_number=number, step=step,
+        metrics={str(k): float(v) for k, v in (metrics or {}).items()},
+        global_batch_size=self._global_batch_size,
+        per_worker_keys=sorted(self._per_worker),
+        versions={"tfdp": tfdp.__version__, "tensorflow": tf.__version__,
+                  "keras": keras.__version__}, **extra)
 
   def restore(self, save_path: str | None = None):
     """Verifies and restores checkpoint `save_path` (default: the latest).
@@ -285,23 +425,145 @@ class CheckpointManager:
         to refuse a checkpoint of another run; its exceptions propagate.
     """
     self._writer.wait()
-    with self._lock:
-      candidates = self._catalog.candidates()
-    for prefix in candidates:
-      man = self._manifest(prefix)
+    self._wait_local()
+    self.restored_tier = None
+    if self._local is not None:
+      prefix = self._restore_tiered(before_restore)
+      if prefix is not None:
+        return prefix
+    for prefix, _ in self._intact_candidates():
       try:
-        if self._verify:
-          try:
-            restore_lib.check_sizes(prefix, man)
-          except errors.CorruptCheckpointError as e:
-            raise self._set_aside(prefix, e) from e
         if before_restore is not None:
           before_restore(prefix)
         self.restore(prefix)
+        self.restored_tier = "persistent"
         return prefix
       except errors.CorruptCheckpointError as e:
         logging.warning("tfdp: Skipping a corrupt checkpoint: %s", e)
     return None
+
+  def _intact_candidates(self):
+    """Yields (prefix, manifest) of the persistent checkpoints, newest first, whose files are all there.
+
+    A checkpoint with a missing or short file is set aside, with a warning.
+    """
+    with self._lock:
+      candidates = self._catalog.candidates()
+    for prefix in candidates:
+      man = self._manifest(prefix)
+      if self._verify:
+        try:
+          restore_lib.check_sizes(prefix, man)
+        except errors.CorruptCheckpointError as e:
+          logging.warning("tfdp: Skipping a corrupt checkpoint: %s", self._set_aside(prefix, e))
+          continue
+      yield prefix, man
+
+  def _newest_persistent_step(self):
+    """The step of the newest intact persistent checkpoint, or None."""
+    for prefix, man in self._intact_candidates():
+      return man.step if man is not None else layout_lib.number_of(prefix)
+    return None
+
+  def _restore_tiered(self, before_restore):
+    """Restores the newest state the workers can have from the local tiers; None: use the persistent tier.
+
+    The protocol (every worker runs it; see tfdp.checkpoint.tiers):
+    1. each worker lists its intact local copies and the newest persistent
+       step, and one all-reduce gives every worker every worker's list;
+    2. `tiers.choose` picks, the same on every worker: the newest local
+       step held by all ("local"), or held by some and recoverable without
+       per-worker state ("peer"), else the persistent tier;
+    3. the holders restore their own copy; after one all-reduce of their
+       outcome, the others get each tensor from the first holder (one
+       all-reduce per tensor), write it as a local copy and restore it;
+    4. a worker whose copy turned out damaged deletes it, and all go back to 1.
+    """
+    strategy = self._me.strategy
+    # tf.train.Checkpoint makes its save counter on the first restore; under
+    # a MultiWorkerMirroredStrategy that is a broadcast, so every worker
+    # makes it here, not only those that restore before the others.
+    self._checkpoint.save_counter  # pylint: disable=pointless-statement
+    persistent_step = self._newest_persistent_step()
+    for _ in range(tiers.LOCAL_KEEP + 1):
+      held = self._local.held()
+      choice = tiers.choose(cluster.gather(tiers.offer(held, persistent_step), strategy))
+      if choice.kind == "persistent":
+        if self._me.is_chief and held:
+          logging.info("tfdp: no local copy is newer than the persistent tier (step %s).",
+                       persistent_step)
+        return None
+      mine = next((h for h in held if h.step == choice.step), None)
+      start = time.perf_counter()
+      outcome = self._restore_local(mine, before_restore) if mine is not None else _OK
+      if choice.kind == "peer":
+        if self._agree_outcome(outcome) != _OK:
+          continue
+        # Every worker takes part in the transfer; the holders' values are
+        # the restored ones, the first holder's are sent.
+        items = tiers.transfer(items_lib.gather(self._checkpoint), choice.holders[0],
+                               strategy)
+        if mine is None:
+          mine = self._write_recovered(choice, items)
+          outcome = self._restore_local(mine, before_restore, per_worker=False)
+      if self._agree_outcome(outcome) != _OK:
+        continue
+      self._restored(mine.prefix, mine.manifest)
+      self.restored_tier = choice.kind
+      seconds = time.perf_counter() - start
+      if choice.kind == "local":
+        if self._me.is_chief:
+          logging.info("tfdp: restored step %d from the local tier (each worker's own "
+                       "copy, %.2f s).", choice.step, seconds)
+      elif self._me.index not in choice.holders:
+        logging.warning("tfdp: recovered step %d from worker %d through collectives "
+                        "(this worker had no local copy; %.2f s).", choice.step,
+                        choice.holders[0], seconds)
+      elif self._me.is_chief:
+        logging.info("tfdp: restored step %d from the local tier; worker(s) %s got it "
+                     "from worker %d.", choice.step,
+                     sorted(set(range(self._me.count)) - set(choice.holders)),
+                     choice.holders[0])
+      return mine.prefix
+    return None
+
+  def _restore_local(self, held, before_restore, per_worker=True):
+    """Restores one local copy; returns _OK, _DAMAGED (the copy is deleted) or the exception."""
+    try:
+      if before_restore is not None:
+        before_restore(held.prefix)
+      restore_lib.restore_verified(self._checkpoint, held.prefix, held.manifest)
+      if per_worker and self._per_worker_ckpt is not None:
+        restore_lib.restore_per_worker(self._per_worker_ckpt, held.prefix, self._me.index,
+                                       held.manifest)
+      return _OK
+    except errors.CorruptCheckpointError as e:
+      logging.warning("tfdp: deleting a damaged local checkpoint: %s", e)
+      self._local.delete(held.prefix)
+      return _DAMAGED
+    except Exception as e:  # pylint: disable=broad-except
+      return e
+
+  def _agree_outcome(self, outcome):
+    """The worst outcome of any worker; a failure other than damage is raised on every worker."""
+    code = 0 if outcome is _OK else 1 if outcome is _DAMAGED else 2
+    worst = int(cluster.agree(code, "max", self._me.strategy))
+    if worst == 2:
+      if isinstance(outcome, Exception):
+        raise outcome
+      raise errors.CheckpointError(
+          "Another worker failed to restore its local checkpoint (its log says why).")
+    return _OK if worst == 0 else _DAMAGED
+
+  def _write_recovered(self, choice, items):
+    """Writes this worker's local copy of `choice.step` from the values received."""
+    meta = self._meta(choice.step, choice.step, None, tier="local",
+                      run_token=self._local.token, per_worker_required=False)
+    job = self._local.job(choice.step, self._local_save_id(),
+                          planner.split_for_parallel_write(items), meta, self._timeout)
+    man = storage.run(job)
+    self._local.prune()
+    return tiers.Held(choice.step, job.prefix, man)
 
   def restore_or_initialize(self) -> str | None:
     """Restores the newest intact checkpoint, or runs init_fn when there is none.
@@ -316,7 +578,8 @@ class CheckpointManager:
     return prefix
 
   def sync(self) -> None:
-    """Waits for the background save (and its deletions); re-raises its error."""
+    """Waits for the background saves (and their deletions); re-raises a persistent save's error."""
+    self._wait_local()
     self._writer.wait()
 
   wait_until_finished = sync
@@ -324,6 +587,7 @@ class CheckpointManager:
   def close(self) -> None:
     """Waits for the background save and releases the directory; a later save takes it again."""
     try:
+      self._wait_local()
       self._writer.wait()
     finally:
       if self._renewer is not None:

@@ -49,6 +49,13 @@ class SaveMeta:
   global_batch_size: int | None = None
   per_worker_keys: list[str] = dataclasses.field(default_factory=list)
   versions: dict[str, str] = dataclasses.field(default_factory=dict)
+  # "persistent" (model_dir) or "local" (one worker's copy, tfdp.checkpoint.tiers).
+  tier: str = "persistent"
+  # A local checkpoint's run (the token in the persistent directory).
+  run_token: str = ""
+  # A local checkpoint: whether its per-worker state must be restored exactly
+  # (False: it can be recovered from peers without it).
+  per_worker_required: bool = True
 
 
 @dataclasses.dataclass

@@ -30,6 +30,15 @@ class SaveJob:
   timeout: float
   meta: manifest_lib.SaveMeta  # Chief only: written into the manifest.
   kept: tuple[str, ...] = ()  # Basenames the manager keeps after this save.
+  # A local-tier save: one worker writes a whole checkpoint alone (worker 0
+  # of a world of 1); `owner` is its index in the job, `world_size` the job's.
+  owner: int | None = None
+  world_size: int | None = None
+
+  @property
+  def fault_worker(self) -> int:
+    """The worker named to fault hooks: the job's index, for a local save too."""
+    return self.worker if self.owner is None else self.owner
 
   @property
   def is_chief(self) -> bool:
@@ -79,7 +88,7 @@ def _write_file(job, j, items):
 
 
 def _write_shards(job):
-  faults.reached("before_shard", job.worker)
+  faults.reached("before_shard", job.fault_worker)
   fs.makedirs(job.tmp_dir)
   if len(job.files) <= 1:  # None when this worker got no tensor.
     shards = [_write_file(job, j, f) for j, f in enumerate(job.files)]
@@ -89,14 +98,14 @@ def _write_shards(job):
         thread_name_prefix="tfdp-ckpt-file") as pool:
       shards = list(pool.map(lambda a: _write_file(job, *a), enumerate(job.files)))
   fs.fsync_dir(job.tmp_dir)
-  faults.reached("after_shard", job.worker)
+  faults.reached("after_shard", job.fault_worker)
   fs.write_json_atomic(job.layout.marker_path(job.tmp_dir, job.worker), {
       "worker": job.worker, "num_workers": job.num_workers,
       "session": job.save_id, "shards": shards, "time": time.time(),
       "bytes_written": sum(s["data"]["size"] + s["index_size"] for s in shards),
       "per_worker_bytes": sum(it.nbytes for f in job.files for it in f
                               if it.key.startswith(layout_lib.PER_WORKER_ROOT + "/"))})
-  faults.reached("after_marker", job.worker)
+  faults.reached("after_marker", job.fault_worker)
 
 
 def _poll(deadline_s, check, on_timeout):
@@ -150,7 +159,7 @@ def _commit(job):
   n = len(shard_prefixes)
   with tf.device("/cpu:0"):
     gen_io_ops.merge_v2_checkpoints(shard_prefixes, job.prefix, delete_old_dirs=False)
-  faults.reached("during_commit", job.worker)
+  faults.reached("during_commit", job.fault_worker)
   files = []
   for k, s in enumerate(records):
     path = layout_lib.data_filename(job.prefix, k, n)
@@ -171,14 +180,14 @@ def _commit(job):
       prefix=os.path.basename(job.prefix), time=time.time(), files=files,
       num_shards=n, total_bytes=sum(f.size for f in files),
       state_bytes=sum(s["state_bytes"] for s in records),
-      world_size=job.num_workers, session=job.save_id, kept=list(job.kept),
+      world_size=job.world_size or job.num_workers, session=job.save_id, kept=list(job.kept),
       writers={str(m["worker"]): {"bytes_written": m["bytes_written"],
                                   "files": len(m["shards"]),
                                   "per_worker_bytes": m.get("per_worker_bytes", 0)}
                for m in markers})
   # The commit point: the checkpoint exists once its manifest does.
   manifest_lib.write_manifest(job.prefix, man)
-  faults.reached("after_commit", job.worker)
+  faults.reached("after_commit", job.fault_worker)
   try:
     fs.rmtree(job.tmp_dir)
   except tf.errors.OpError as e:
