@@ -11,6 +11,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tfdp import cluster
 from tfdp import errors
 from tfdp import fit_hooks
+from tfdp import goodput
 from tfdp import preemption
 from tfdp import state as state_lib
 from tfdp.checkpoint import CheckpointManager
@@ -31,13 +32,20 @@ def _iterations(model) -> int:
   return int(model.optimizer.iterations.numpy())
 
 
-def _save_if_due(manager, decision, step, previous_step, metrics=None, **when) -> bool:
-  """Saves at `step` (every worker) when `decision` says so; returns whether it saved."""
+def _save_if_due(manager, decision, step, previous_step, metrics=None, recorder=None,
+                 **when) -> bool:
+  """Saves at `step` (every worker) when `decision` says so; returns whether it saved.
+
+  The time training was blocked goes to `recorder` (a tfdp.goodput.Recorder).
+  """
   ctx = policy_lib.SaveContext(step=step, previous_step=previous_step,
                                last_saved_step=manager.last_saved_step, **when)
   if not decision.should_save(ctx):
     return False
+  start = time.perf_counter()
   manager.save(checkpoint_number=step, metrics=metrics)
+  if recorder is not None:
+    recorder.blocked(time.perf_counter() - start, "persistent")
   return True
 
 
@@ -56,7 +64,13 @@ class _DataPosition(trackable_base.Trackable):
   def __init__(self, callback):
     self._callback = callback
     self.restored = None
+    self.kind = "none"
     self._warned = False
+
+  @property
+  def tfdp_required(self) -> bool:
+    """Whether the last saved position must be restored exactly (peer recovery needs it not to be)."""
+    return self.kind != "none"
 
   def _serialize_to_tensors(self):
     cb = self._callback
@@ -74,6 +88,7 @@ class _DataPosition(trackable_base.Trackable):
           if not self._warned:
             self._warned = True
             logging.warning("tfdp: backups will not hold the data position: %s", e)
+    self.kind = kind
     return {"state": state, "made": tf.constant(made, tf.int64),
             "kind": tf.constant(kind)}
 
@@ -175,6 +190,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       or replicas by restarting the interrupted epoch's data (its data
       positions cannot be split over another topology); otherwise such a
       resume raises ConfigError.
+    local_checkpoint_dir, local_checkpoint_every_steps: a second, local tier
+      saved every N steps on each host (in RAM under /dev/shm by default),
+      as `tfdp.CheckpointManager`'s: a resume takes the newest step any
+      worker holds; a worker that lost its copy gets it from the others by
+      collectives (not when the data position of plain `fit` is in it: then
+      the newest step every worker holds, else the persistent tier). The
+      local copies are deleted when training completes.
 
   Raises:
     ValueError (a `tfdp.errors.ConfigError`): an empty backup_dir or an
@@ -196,7 +218,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                run_config: dict | None = None, allow_config_mismatch: bool = False,
                async_save: bool = False, max_to_keep: int | None = -1,
                max_shard_bytes: int | None = None, save_at_end: bool = False,
-               keep_best=None, restart_epoch_data: bool = False):
+               keep_best=None, restart_epoch_data: bool = False,
+               local_checkpoint_dir: str | None = None,
+               local_checkpoint_every_steps: int | None = None):
     super().__init__()
     if not backup_dir:
       raise errors.ConfigError("Empty `backup_dir` argument passed to BackupAndRestore.")
@@ -215,8 +239,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.save_at_end = save_at_end
     self.keep_best = keep_best
     self.restart_epoch_data = restart_epoch_data
+    self.local_checkpoint_dir = local_checkpoint_dir
+    self.local_checkpoint_every_steps = local_checkpoint_every_steps
+    self._local_decision = policy_lib.AnyOf(
+        (policy_lib.EveryNSteps(local_checkpoint_every_steps),)
+        if local_checkpoint_every_steps else ())
     self._metrics = {}
     self._data = _DataPosition(self)
+    self._goodput = None
     self._decision = policy_lib.AnyOf(tuple(policies) + (
         policy_lib.OnPreemption(),) + ((policy_lib.AtTrainEnd(),) if save_at_end else ()))
     self.state = None
@@ -260,7 +290,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.state.checkpoint, self.backup_dir, max_to_keep=self.max_to_keep,
         async_save=self.async_save, max_shard_bytes=self.max_shard_bytes,
         keep_best=self.keep_best, per_worker={DATA_KEY: self._data},
-        strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"))
+        strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"),
+        local_checkpoint_dir=self.local_checkpoint_dir,
+        local_checkpoint_every_steps=self.local_checkpoint_every_steps)
+    # Its TensorBoard scalars would bring back a backup_dir deleted at the end.
+    self._goodput = goodput.Recorder(self.backup_dir, chief=self.manager.worker_index == 0,
+                                     tensorboard=not self.delete_checkpoint)
 
   def restore(self, model: keras.Model | None = None) -> int | None:
     """Restores the newest intact backup into the model; returns its step, or None.
@@ -280,12 +315,16 @@ class BackupAndRestore(keras.callbacks.Callback):
       for diff in state_lib.check_checkpoint(self.state, prefix, self.allow_config_mismatch):
         logging.warning("Resuming despite a config mismatch: %s (%s)", diff, prefix)
 
+    start = time.perf_counter()
     with model.distribute_strategy.scope():
       prefix = self.manager.restore_newest_intact(before_restore=check)
+    seconds = time.perf_counter() - start
     if prefix is None:
       self.restored_step = None
+      self._goodput.restored(None, seconds)
       return None
     self.restored_step = self.state.step
+    self._goodput.restored(self.restored_step, seconds, self.manager.restored_tier)
     logging.info("Restored %s at step %d.", prefix, self.restored_step)
     return self.restored_step
 
@@ -322,7 +361,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Saves a backup at the current global step (every worker must call it)."""
     step = _iterations(self.model) if step is None else step
     if self.manager.last_saved_step != step:
+      start = time.perf_counter()
       self.manager.save(checkpoint_number=step, metrics=self._metrics)
+      self._goodput.blocked(time.perf_counter() - start, "persistent")
     return self.manager.latest_checkpoint
 
   def note_metrics(self, metrics: dict) -> None:
@@ -370,7 +411,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def _save_for_preemption(self, step):
     _save_if_due(self.manager, self._decision, step, self._previous, self._metrics,
-                 preempted=True)
+                 self._goodput, preempted=True)
     # Releases the directory too: the job restarted elsewhere takes it at once.
     self.manager.close()
     self._preempted = True
@@ -396,7 +437,14 @@ class BackupAndRestore(keras.callbacks.Callback):
   def on_train_batch_end(self, batch, logs=None):
     self._step_in_epoch.assign(batch + 1)
     step = _iterations(self.model)
-    _save_if_due(self.manager, self._decision, step, self._previous, self._metrics)
+    _save_if_due(self.manager, self._decision, step, self._previous, self._metrics,
+                 self._goodput)
+    if self._local_decision.should_save(policy_lib.SaveContext(
+        step=step, previous_step=self._previous)):
+      start = time.perf_counter()
+      self.manager.save_local(step)
+      self._goodput.blocked(time.perf_counter() - start, "local")
+    self._goodput.step(step)
     self._previous = step
     if self._preemption is not None:
       self._preemption.on_train_batch_end(batch, logs)
@@ -406,7 +454,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._step_in_epoch.assign(0)
     self.note_metrics(logs or {})
     _save_if_due(self.manager, self._decision, _iterations(self.model), self._previous,
-                 self._metrics, epoch_end=True)
+                 self._metrics, self._goodput, epoch_end=True)
 
   def on_train_end(self, logs=None):
     self.manager.wait_until_finished()
@@ -419,10 +467,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     """End of a completed run: the final save if asked, then the deletion if asked."""
     if self.manager is None or self._preempted:
       return
-    _save_if_due(self.manager, self._decision, _iterations(model), self._previous,
-                 self._metrics, train_end=True)
+    step = _iterations(model)
+    _save_if_due(self.manager, self._decision, step, self._previous,
+                 self._metrics, self._goodput, train_end=True)
     self.manager.close()  # Waits for the last save; releases the directory.
+    self.manager.drop_local()  # The persistent tier holds the end.
     if not self.delete_checkpoint:
+      self._goodput.finished(step)
       return  # A later save takes the directory again.
     # Every worker has returned from its last save before the chief deletes
     # the directory: a worker still waiting for that save's commit would
@@ -431,6 +482,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     manager, self.manager = self.manager, None
     if manager.worker_index == 0 and tf.io.gfile.exists(self.backup_dir):
       tf.io.gfile.rmtree(self.backup_dir)
+    self._goodput.finished(step)
 
 
 class Throughput(keras.callbacks.Callback):

@@ -50,6 +50,8 @@ class TrainConfig:
   model_dir: str | None = None
   checkpoint_every_steps: int | None = None
   async_checkpoint: bool = False
+  local_checkpoint_every_steps: int | None = None
+  local_checkpoint_dir: str | None = None
   max_to_keep: int | None = 5
   max_shard_bytes: int | None = None
   allow_config_mismatch: bool = False
@@ -90,6 +92,17 @@ class TrainConfig:
     if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 0:
       raise errors.ConfigError(
           f"--checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}.")
+    if self.local_checkpoint_every_steps is not None and self.local_checkpoint_every_steps < 1:
+      raise errors.ConfigError(
+          f"--local_checkpoint_every_steps must be >= 1, got {self.local_checkpoint_every_steps}.")
+    if (self.local_checkpoint_every_steps or self.local_checkpoint_dir) and not self.model_dir:
+      raise errors.ConfigError(
+          "--local_checkpoint_every_steps and --local_checkpoint_dir need --model_dir "
+          "(the persistent tier the local one sits in front of).")
+    if self.local_checkpoint_dir and not self.local_checkpoint_every_steps:
+      raise errors.ConfigError(
+          "--local_checkpoint_dir takes effect with --local_checkpoint_every_steps; set it "
+          "(e.g. --local_checkpoint_every_steps=10).")
     for name in ("eval_every_steps", "summary_every_steps"):
       if getattr(self, name) is not None and getattr(self, name) < 0:
         raise errors.ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}.")
@@ -268,7 +281,9 @@ def run(config):
         preemption_grace_seconds=config.preemption_grace_seconds,
         run_config=run_config, allow_config_mismatch=config.allow_config_mismatch,
         async_save=config.async_checkpoint, max_to_keep=config.max_to_keep,
-        max_shard_bytes=config.max_shard_bytes, save_at_end=True, **extra)
+        max_shard_bytes=config.max_shard_bytes, save_at_end=True,
+        local_checkpoint_dir=config.local_checkpoint_dir,
+        local_checkpoint_every_steps=config.local_checkpoint_every_steps, **extra)
     backup.restore(model)
   start_step = int(model.optimizer.iterations.numpy())
   if backup is not None and backup.restored_step is not None and (

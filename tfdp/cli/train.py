@@ -76,6 +76,15 @@ flags.DEFINE_integer("checkpoint_every_steps", None,
 flags.DEFINE_bool("async_checkpoint", False,
                   "Write checkpoints in the background; training blocks only "
                   "for the copy to host memory.")
+flags.DEFINE_integer("local_checkpoint_every_steps", None,
+                     "Also save every N steps to a local tier on each host (in "
+                     "RAM, under /dev/shm, unless --local_checkpoint_dir): a "
+                     "restart resumes from the newest step any worker holds, "
+                     "sent to workers that lost it by collectives.", lower_bound=1)
+flags.DEFINE_string("local_checkpoint_dir", None,
+                    "The local tier's per-host directory (default with "
+                    "--local_checkpoint_every_steps: /dev/shm/tfdp-local/<hash "
+                    "of --model_dir>).")
 flags.DEFINE_integer("max_to_keep", 5, "Checkpoints to keep.", lower_bound=1)
 flags.DEFINE_integer("max_shard_bytes", None,
                      "Cap on each checkpoint data file a worker writes.",
