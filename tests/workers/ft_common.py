@@ -28,16 +28,20 @@ def env(**extra):
   return e
 
 
-def command(model_dir):
-  return [sys.executable, FT_TRAIN] + TRAIN_FLAGS + [f"--model_dir={model_dir}"]
+def command(model_dir, flags=()):
+  """The job's command; `flags` override TRAIN_FLAGS of the same names."""
+  names = {f.split("=", 1)[0] for f in flags}
+  return ([sys.executable, FT_TRAIN]
+          + [f for f in TRAIN_FLAGS if f.split("=", 1)[0] not in names]
+          + list(flags) + [f"--model_dir={model_dir}"])
 
 
-def run_job(model_dir, log_path, **launch_kw):
+def run_job(model_dir, log_path, flags=(), **launch_kw):
   """Runs the job under tfdp-launch in this process; returns (exit code, output)."""
   out = io.StringIO()
   launch_kw.setdefault("env", env())
   launch_kw.setdefault("grace_seconds", 5)
-  code = launch.launch(command(model_dir), launch_kw.pop("num_workers", 2),
+  code = launch.launch(command(model_dir, flags), launch_kw.pop("num_workers", 2),
                        out=out, **launch_kw)
   with open(log_path, "w", encoding="utf-8") as f:
     f.write(out.getvalue())

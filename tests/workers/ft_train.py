@@ -5,17 +5,30 @@ FT_CHAOS_PLAN is JSON {attempt: {"worker": i, "step": s} | {"worker": i,
 kill fires once this worker's heartbeat reports step >= s; a phase kill
 fires at the first checkpoint save of the attempt, at that phase of the
 sharded save (tfdp.checkpoint.faults.PHASES), through the fault hook.
+With "wipe": "own" (or "all"), the worker first deletes its own local
+checkpoint tier (or every worker's: the whole --local_checkpoint_dir), as a
+replaced host (or a reboot of every host) would lose it.
 """
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 
 
-def _kill_at_step(step):
+def _wipe(what, me):
+  if not what:
+    return
+  root = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--local_checkpoint_dir="))
+  path = root if what == "all" else os.path.join(root, f"worker-{me}")
+  shutil.rmtree(path, ignore_errors=True)
+  print(f"ft_train: wiped {path}", flush=True)
+
+
+def _kill_at_step(step, wipe=None, me=0):
   path = os.environ["TFDP_HEARTBEAT_FILE"]
 
   def watch():
@@ -26,6 +39,7 @@ def _kill_at_step(step):
       except (OSError, ValueError, IndexError):
         now = -1
       if now >= step:
+        _wipe(wipe, me)
         print(f"ft_train: SIGKILL at step {now}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
       time.sleep(0.01)
@@ -52,7 +66,7 @@ def main():
     if "phase" in event:
       _kill_at_phase(event["phase"], me)
     else:
-      _kill_at_step(event["step"])
+      _kill_at_step(event["step"], event.get("wipe"), me)
   from tfdp.cli import train  # pylint: disable=g-import-not-at-top
   sys.argv = ["tfdp-train"] + sys.argv[1:]
   train.run()
