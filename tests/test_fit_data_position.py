@@ -99,10 +99,17 @@ def two_workers(tmp_path_factory):
 
 @pytest.mark.parametrize("mode,kill_at", [("finite", 8), ("data", 11)])
 def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode, kill_at):
-  """Keras auto-sharding by FILE (finite) and by DATA; worker 1 is SIGKILLed."""
+  """Keras auto-sharding by FILE (finite) and by DATA; worker 1 is SIGKILLed.
+
+  By DATA, the backup also has a local tier every 2 steps (in /dev/shm):
+  the kill at step 11 resumes from each worker's own copy of step 10, data
+  positions included, not from the persistent step 9.
+  """
   cut = two_workers / f"cut-{mode}"
+  tier = {"TFDP_TEST_LOCAL_EVERY": "2", "TFDP_TEST_KILL_DELAY": "1"} if mode == "data" else {}
   code, out = launch_workers([sys.executable, SCRIPT, str(cut), mode],
-                             env={"TFDP_TEST_KILL_AT": str(kill_at), "TFDP_TEST_KILL_WORKER": "1"})
+                             env={"TFDP_TEST_KILL_AT": str(kill_at), "TFDP_TEST_KILL_WORKER": "1",
+                                  **tier})
   assert code != 0, out[-3000:]
   if mode == "finite":  # Another topology cannot take the per-worker positions.
     manifests = sorted((cut / mode / "backup").glob("ckpt-*.manifest.json"))
@@ -115,10 +122,13 @@ def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode, kill
     assert code != 0 and "holds the data positions of 2 worker(s) with 2 replica(s) in all" in other, (
         other[-3000:])
     assert "restart_epoch_data=True" in other
-  code, out = launch_workers([sys.executable, SCRIPT, str(cut), mode])
+  code, out = launch_workers([sys.executable, SCRIPT, str(cut), mode], env=tier)
   assert code == 0, out[-3000:]
   assert len(re.findall(rf"RESULT mode={mode} worker=\d steps=\d+ restored=[1-9]", out)) == 2, (
       out[-3000:])
+  if tier:  # The persistent tier's newest is step 9.
+    assert len(re.findall(r"RESULT mode=data worker=\d steps=\d+ restored=10\b", out)) == 2, (
+        out[-3000:])
   ref = _weights(two_workers / "ref", mode)
   for worker in (0, 1):
     np.testing.assert_array_equal(ref, _weights(cut, mode, worker))

@@ -17,6 +17,7 @@ worker's final weights to OUT_ROOT/MODE/weights-<worker>.npy.
 import os
 import signal
 import sys
+import time
 
 import keras
 import numpy as np
@@ -85,6 +86,8 @@ class KillAt(keras.callbacks.Callback):
     at = int(os.environ.get("TFDP_TEST_KILL_AT", "-1"))
     who = os.environ.get("TFDP_TEST_KILL_WORKER")
     if at == int(self.model.optimizer.iterations.numpy()) and who in (None, str(self.worker)):
+      # A moment later: the background local save of the step before has landed.
+      time.sleep(float(os.environ.get("TFDP_TEST_KILL_DELAY", "0")))
       os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -96,8 +99,11 @@ def train(out_dir, mode, strategy, worker):
                               keras.layers.Dropout(0.3), keras.layers.Dense(2)])
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  backup = tfdp.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=3,
-                                           async_save=os.environ.get("TFDP_TEST_ASYNC") == "1")
+  local_every = os.environ.get("TFDP_TEST_LOCAL_EVERY")
+  backup = tfdp.callbacks.BackupAndRestore(
+      os.path.join(out_dir, "backup"), save_freq=3,
+      async_save=os.environ.get("TFDP_TEST_ASYNC") == "1",
+      local_checkpoint_every_steps=int(local_every) if local_every else None)
   callbacks = [backup, KillAt(worker)]
   if mode in ("arrays", "source"):
     x, y = zip(*make_dataset(paths, "finite").unbatch().as_numpy_iterator())
