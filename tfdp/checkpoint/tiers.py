@@ -201,7 +201,9 @@ def choose(table) -> Choice:
 
 # -- recovery from peers --
 
-_DIRECT = (tf.float32, tf.float64, tf.int32, tf.int64)
+# Sent as they are; int32 is not: TF keeps int32 tensors in host memory,
+# and a batch must be all on the host or all on the devices.
+_DIRECT = (tf.float32, tf.float64, tf.int64)
 
 
 def _neutral(dtype):
@@ -237,19 +239,19 @@ def _all_reduce_from(strategy, source_replica: int, tensors: list[tf.Tensor]) ->
 
 
 def _to_wire(t: tf.Tensor) -> tf.Tensor:
-  """A form the all-reduce can sum exactly: float32/64 and int32/64 as they are, other dtypes' bytes as int32."""
+  """A form the all-reduce sums exactly: float32/64 and int64 as they are, int32 and bool as int64, other dtypes' bytes as int64."""
   if t.dtype in _DIRECT:
     return t
-  if t.dtype == tf.bool:
-    return tf.cast(t, tf.int32)
-  return tf.cast(tf.bitcast(t, tf.uint8), tf.int32)
+  if t.dtype in (tf.bool, tf.int32):
+    return tf.cast(t, tf.int64)
+  return tf.cast(tf.bitcast(t, tf.uint8), tf.int64)
 
 
 def _from_wire(w: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
   if like.dtype in _DIRECT:
     return w
-  if like.dtype == tf.bool:
-    return tf.cast(w, tf.bool)
+  if like.dtype in (tf.bool, tf.int32):
+    return tf.cast(w, like.dtype)
   return tf.bitcast(tf.cast(w, tf.uint8), like.dtype)
 
 
@@ -280,7 +282,7 @@ def transfer(items: list[planner.Item], source: int, strategy) -> list[planner.I
   if strings:
     padded = []
     for b, n in zip(blobs, lengths):
-      buf = np.zeros(int(n), np.int32)
+      buf = np.zeros(int(n), np.int64)
       raw = np.frombuffer(b, np.uint8)[:int(n)]
       buf[:len(raw)] = raw
       padded.append(tf.constant(buf))

@@ -1,0 +1,187 @@
+"""The local checkpoint tier in one process: the choice of what to restore, exact transfer, fallbacks."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdp
+from tfdp import errors
+from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import planner
+from tfdp.checkpoint import restore as restore_lib
+from tfdp.checkpoint import tiers
+
+
+def _row(persistent, *held):
+  """An `offer` row: held = (step, required) pairs, newest first."""
+  row = [0.0 if persistent is None else persistent + 1.0]
+  for i in range(tiers.LOCAL_KEEP):
+    row += [held[i][0] + 1.0, float(held[i][1])] if i < len(held) else [0.0, 0.0]
+  return row
+
+
+@pytest.mark.parametrize("rows,expected", [
+    # Every worker holds the newest: each restores its own copy.
+    ([_row(20, (35, 0), (30, 0)), _row(20, (35, 0), (30, 0))], ("local", 35, (0, 1))),
+    # Worker 1 lost its tier: worker 0 sends step 35.
+    ([_row(20, (35, 0), (30, 0)), _row(20)], ("peer", 35, (0,))),
+    # Worker 1 missed the newest save: still the newest, from worker 0.
+    ([_row(20, (35, 0), (30, 0)), _row(20, (30, 0))], ("peer", 35, (0,))),
+    # With required per-worker state (a plain fit's data position) no peer
+    # can stand in: the newest step both hold...
+    ([_row(20, (35, 1), (30, 1)), _row(20, (30, 1))], ("local", 30, (0, 1))),
+    # ... or the persistent tier.
+    ([_row(20, (35, 1), (30, 1)), _row(20)], ("persistent", None, ())),
+    # Local copies older than the persistent tier, or none at all.
+    ([_row(40, (35, 0)), _row(40, (35, 0))], ("persistent", None, ())),
+    ([_row(40), _row(40)], ("persistent", None, ())),
+    ([_row(None), _row(None)], ("persistent", None, ())),
+    # As new as the persistent tier: local when all hold it (faster), not
+    # worth a transfer otherwise.
+    ([_row(40, (40, 0)), _row(40, (40, 0))], ("local", 40, (0, 1))),
+    ([_row(40, (40, 0)), _row(40)], ("persistent", None, ())),
+    # A fresh run: a local copy and no persistent checkpoint yet.
+    ([_row(None, (5, 0)), _row(None)], ("peer", 5, (0,))),
+])
+def test_the_workers_choose_the_newest_state_they_can_have(rows, expected):
+  choice = tiers.choose(np.array(rows))
+  assert (choice.kind, choice.step, choice.holders) == expected
+
+
+def test_transfer_is_bitwise_exact_for_every_dtype_and_strings():
+  """One all-reduce per tensor over 2 replicas, replica 0 the source: -0.0, NaN payloads, odd dtypes."""
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  values = {
+      "f32": tf.constant([-0.0, 0.0, 1.5, np.nan, -np.inf], tf.float32),
+      "f64": tf.constant([-0.0, 1e-300], tf.float64),
+      "f16": tf.constant([-0.0, 65504.0, 1e-7], tf.float16),
+      "bf16": tf.constant([-0.0, 3.0], tf.bfloat16),
+      "i8": tf.constant([-128, 127], tf.int8),
+      "u8": tf.constant([0, 255], tf.uint8),
+      "i32": tf.constant([-(2 ** 31), 2 ** 31 - 1], tf.int32),
+      "i64": tf.constant([-(2 ** 63), 2 ** 63 - 1], tf.int64),
+      "bool": tf.constant([True, False]),
+      "str": tf.constant(b"{\"run\": 1}\x00\xff"),
+      "strs": tf.constant([b"", b"abc", b"\x00" * 9]),
+  }
+  items = [planner.Item(k, "", v, 0) for k, v in sorted(values.items())]
+  items.append(planner.Item(planner.OBJECT_GRAPH_KEY, "", tf.constant(b"graph"), 0))
+  out = {it.key: it.value for it in tiers.transfer(items, 0, strategy)}
+  for key, value in values.items():
+    got = tf.convert_to_tensor(out[key])
+    assert got.dtype == value.dtype and got.shape == value.shape, key
+    if value.dtype == tf.string:
+      assert np.array(got.numpy()).tolist() == np.array(value.numpy()).tolist(), key
+    else:
+      assert got.numpy().tobytes() == value.numpy().tobytes(), key
+  assert out[planner.OBJECT_GRAPH_KEY].numpy() == b"graph"  # Not sent: the receiver's own.
+
+
+class _Run:
+  """A tiny training state with a persistent and a local tier, in one process."""
+
+  def __init__(self, root, local_every=5, every=10):
+    self.root = root
+    self.v = tf.Variable(tf.zeros([64]))
+    self.step = tf.Variable(0, dtype=tf.int64)
+    self.ckpt = tf.train.Checkpoint(v=self.v, step=self.step)
+    self.manager = tfdp.CheckpointManager(
+        self.ckpt, os.path.join(root, "model"), step_counter=self.step,
+        checkpoint_interval=every, local_checkpoint_dir=os.path.join(root, "local"),
+        local_checkpoint_every_steps=local_every)
+
+  def train(self, to):
+    for i in range(int(self.step.numpy()) + 1, to + 1):
+      self.step.assign(i)
+      self.v.assign_add(tf.fill([64], float(i)))
+      self.manager.save()
+    self.manager.sync()
+
+  def restart(self):
+    self.manager.close()
+    return _Run(self.root, self.manager.local_checkpoint_every_steps,
+                self.manager.checkpoint_interval)
+
+  def value_at(self, step):
+    return np.full([64], sum(range(1, step + 1)), np.float32)
+
+
+@pytest.fixture
+def run(tmp_path):
+  return _Run(str(tmp_path))
+
+
+def test_a_restart_takes_the_newer_local_copy_without_reading_the_persistent_one(run, monkeypatch):
+  run.train(27)  # Persistent at steps 1, 11, 21; local at 5, 15, 25 (2 kept).
+  assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-15", "ckpt-25"]
+  read = []
+  real = restore_lib.restore_verified
+  monkeypatch.setattr(restore_lib, "restore_verified",
+                      lambda c, p, m: (read.append(p), real(c, p, m))[1])
+  again = run.restart()
+  prefix = again.manager.restore_or_initialize()
+  assert again.manager.restored_tier == "local" and prefix.endswith("worker-0/ckpt-25")
+  assert read == [prefix]  # Only the local copy's tensors were read.
+  assert int(again.step.numpy()) == 25
+  np.testing.assert_array_equal(again.v.numpy(), run.value_at(25))
+
+
+def test_damaged_or_foreign_local_copies_fall_back_to_the_next_intact_state(run):
+  run.train(27)
+  newest, older = run.manager.local_checkpoints()[::-1]
+  # A flipped byte in the newest (TF's CRC32C finds it at restore): deleted,
+  # then the older local copy, 15, is older than persistent 21.
+  data = layout_lib.data_filename(newest, 0, 1)
+  raw = bytearray(open(data, "rb").read())
+  raw[len(raw) // 2] ^= 0xFF
+  open(data, "wb").write(bytes(raw))
+  again = run.restart()
+  assert again.manager.restore_or_initialize().endswith("model/ckpt-3")
+  assert again.manager.restored_tier == "persistent" and int(again.step.numpy()) == 21
+  assert again.manager.local_checkpoints() == [older]
+  # A truncated file is found before any read.
+  again.train(26)
+  newest = again.manager.local_checkpoints()[-1]
+  with open(layout_lib.data_filename(newest, 0, 1), "r+b") as f:
+    f.truncate(10)
+  third = again.restart()
+  third.manager.restore_or_initialize()
+  assert third.manager.restored_tier == "persistent" and int(third.step.numpy()) == 21
+
+
+def test_a_lost_local_tier_restores_from_the_persistent_tier(run):
+  run.train(27)
+  shutil.rmtree(os.path.join(run.root, "local"))
+  again = run.restart()
+  again.manager.restore_or_initialize()
+  assert again.manager.restored_tier == "persistent" and int(again.step.numpy()) == 21
+  np.testing.assert_array_equal(again.v.numpy(), run.value_at(21))
+
+
+def test_local_copies_of_an_earlier_run_in_the_same_place_are_ignored(run):
+  run.train(27)
+  run.manager.close()
+  shutil.rmtree(os.path.join(run.root, "model"))  # A new run: the same model_dir, empty.
+  fresh = _Run(run.root)
+  assert fresh.manager.restore_or_initialize() is None
+  assert int(fresh.step.numpy()) == 0 and fresh.manager.local_checkpoints() == []
+
+
+def test_local_tier_arguments_are_checked(tmp_path):
+  ckpt = tf.train.Checkpoint(v=tf.Variable(1.0))
+  plain = tfdp.CheckpointManager(ckpt, str(tmp_path / "a"))
+  with pytest.raises(errors.ConfigError, match="needs a local tier"):
+    plain.save_local(3)
+  with pytest.raises(errors.ConfigError, match="positive number of steps"):
+    tfdp.CheckpointManager(ckpt, str(tmp_path / "b"), local_checkpoint_every_steps=-1)
+  with pytest.raises(errors.ConfigError, match="needs a MultiWorkerMirroredStrategy"):
+    tfdp.CheckpointManager(ckpt, str(tmp_path / "c"), local_checkpoint_every_steps=5,
+                           worker_index=0, num_workers=2, run_id="x")
+  local = tfdp.CheckpointManager(ckpt, str(tmp_path / "d"), local_checkpoint_every_steps=5)
+  with pytest.raises(errors.ConfigError, match="needs step= or the manager's step_counter"):
+    local.save_local()
+  assert local.local_directory.startswith(tiers.DEFAULT_LOCAL_ROOT)
+  local.drop_local()
