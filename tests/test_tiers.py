@@ -98,7 +98,9 @@ class _Run:
       self.step.assign(i)
       self.v.assign_add(tf.fill([64], float(i)))
       self.manager.save()
-    self.manager.sync()
+      # A local save while the previous one is being written is skipped:
+      # waiting makes which steps are kept certain.
+      self.manager.sync()
 
   def restart(self):
     self.manager.close()
@@ -115,8 +117,8 @@ def run(tmp_path):
 
 
 def test_a_restart_takes_the_newer_local_copy_without_reading_the_persistent_one(run, monkeypatch):
-  run.train(27)  # Persistent at steps 1, 11, 21; local at 5, 15, 25 (2 kept).
-  assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-15", "ckpt-25"]
+  run.train(27)  # Persistent at steps 1, 11, 21; local every 5 steps, 2 kept.
+  assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-20", "ckpt-25"]
   read = []
   real = restore_lib.restore_verified
   monkeypatch.setattr(restore_lib, "restore_verified",
@@ -133,7 +135,7 @@ def test_damaged_or_foreign_local_copies_fall_back_to_the_next_intact_state(run)
   run.train(27)
   newest, older = run.manager.local_checkpoints()[::-1]
   # A flipped byte in the newest (TF's CRC32C finds it at restore): deleted,
-  # then the older local copy, 15, is older than persistent 21.
+  # then the older local copy, 20, is older than persistent 21.
   data = layout_lib.data_filename(newest, 0, 1)
   raw = bytearray(open(data, "rb").read())
   raw[len(raw) // 2] ^= 0xFF
@@ -185,3 +187,19 @@ def test_local_tier_arguments_are_checked(tmp_path):
     local.save_local()
   assert local.local_directory.startswith(tiers.DEFAULT_LOCAL_ROOT)
   local.drop_local()
+
+
+def test_a_local_save_never_waits_for_the_previous_one(run):
+  """Training blocks only for the snapshot: a save during the previous write is skipped and counted."""
+  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  release = threading.Event()
+  faults.install(lambda phase, worker: phase == "before_shard" and release.wait(30))
+  try:
+    assert run.manager.save_local(3) is not None
+    assert run.manager.save_local(4) is None and run.manager.local_saves_skipped == 1
+  finally:
+    release.set()
+    faults.install(None)
+  run.manager.sync()
+  assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-3"]

@@ -98,8 +98,8 @@ class CheckpointManager:
       background, the newest LOCAL_KEEP (2) kept. Restores then take the
       newest state any worker can have (see restore_newest_intact).
     local_checkpoint_every_steps: how often the training loop saves locally
-      (read by callers: tfdp.callbacks and `save()` with `step_counter`,
-      which saves locally when the persistent interval is not due).
+      (read by callers: tfdp.callbacks, and `save()` with `step_counter`,
+      which also saves locally whenever the step is a multiple of it).
 
   Raises:
     ConfigError: a bad argument, or a cluster without a strategy.
@@ -271,13 +271,13 @@ class CheckpointManager:
         checkpoint with this number or a higher one is already committed.
     """
     self._writer.wait()
+    if (self._local is not None and self._local.every_steps and check_interval
+        and self._step_counter is not None):
+      now = _number(self._step_counter)
+      if now % self._local.every_steps == 0:
+        self.save_local(now)
     step = self._decide(check_interval)
     if step is False:
-      if (self._local is not None and self._local.every_steps and check_interval
-          and self._step_counter is not None):
-        now = _number(self._step_counter)
-        if now % self._local.every_steps == 0:
-          self.save_local(now)
       return None
     number, prefix = self._number(checkpoint_number)
     meta = self._meta(number, number if step is None else step, metrics)
