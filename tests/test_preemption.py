@@ -79,3 +79,19 @@ def test_the_grace_watchdog_works_again_after_a_reinstall():
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60,
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
   assert proc.returncode == preemption.EXIT_GRACE_EXPIRED, proc.stdout.decode()[-2000:]
+
+
+def test_ctrl_c_requests_preemption_as_sigterm_does():
+  """SIGINT (Ctrl-C, or forwarded by tfdp-launch) sets the same flag; the previous handler comes back."""
+  before = signal.getsignal(signal.SIGINT)
+  handler = preemption.SignalHandler(grace_seconds=None).install()
+  try:
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100):
+      if handler.requested:
+        break
+      time.sleep(0.01)
+    assert handler.requested and handler.signum == signal.SIGINT
+  finally:
+    handler.uninstall()
+  assert signal.getsignal(signal.SIGINT) is before
