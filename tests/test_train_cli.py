@@ -155,3 +155,15 @@ def test_bad_tf_config_gives_a_clear_error():
                         stderr=subprocess.STDOUT, cwd=REPO, timeout=120, env=env, check=False)
   out = proc.stdout.decode()
   assert proc.returncode == 2 and "index 3 is out of range" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"local_checkpoint_every_steps": 5}, "need --model_dir"),
+    ({"local_checkpoint_dir": "/dev/shm/x", "model_dir": "m"}, "takes effect with"),
+    ({"local_checkpoint_every_steps": 0, "model_dir": "m"}, "must be >= 1"),
+])
+def test_local_tier_flags_are_checked_before_anything_starts(fields, message):
+  from tfdp import errors  # pylint: disable=g-import-not-at-top
+  from tfdp.trainer import TrainConfig  # pylint: disable=g-import-not-at-top
+  with pytest.raises(errors.ConfigError, match=message):
+    TrainConfig(**fields).validate()
