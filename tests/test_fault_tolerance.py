@@ -107,6 +107,7 @@ def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_pat
   # Every attempt that got as far as restoring took a local copy, its own or a peer's.
   tiers = {a["restored_tier"] for a in summary["attempts"][1:] if a["has_record"]}
   assert tiers <= {"local", "peer"} and "peer" in tiers, summary["attempts"]
+  assert list((tmp_path / "model" / "logs" / "goodput").glob("events.out.tfevents.*"))
   # The completed run leaves no local copies behind.
   assert not any(files for _, _, files in os.walk(tmp_path / "local")), list(os.walk(tmp_path / "local"))
   prefixes, problems = ft_common.verify_all(model_dir)
