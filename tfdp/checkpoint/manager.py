@@ -274,7 +274,7 @@ class CheckpointManager:
     if (self._local is not None and self._local.every_steps and check_interval
         and self._step_counter is not None):
       now = _number(self._step_counter)
-      if now % self._local.every_steps == 0:
+      if policy.EveryNSteps(self._local.every_steps).should_save(policy.SaveContext(step=now)):
         self.save_local(now)
     step = self._decide(check_interval)
     if step is False:
