@@ -18,24 +18,15 @@ def _nbytes(t):
   return int(np.prod(t.shape, dtype=np.int64)) * t.dtype.size
 
 
-def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
-           with_object_graph: bool = True) -> list[Item]:
-  """Returns the Items of `checkpoint`, without copying.
-
-  Uses the same serialization as `tf.train.Checkpoint.write` (object graph
-  proto under `_CHECKPOINTABLE_OBJECT_GRAPH`), so the merged result is a
-  checkpoint plain TF restores.
-
-  Raises:
-    CheckpointError: an object has a registered saver (not supported).
-  """
+def _tensors(checkpoint, key_prefix="", with_object_graph=True):
+  """(key, slice_spec, tensor) of `checkpoint`'s serialization, sorted; eager or inside a tf.function."""
   serialized, _, registered, _ = (
       checkpoint._saver._gather_serialized_tensors(None))  # pylint: disable=protected-access
   if registered:
     raise errors.CheckpointError(
         f"Objects with registered savers ({sorted(registered)}) are not "
         "supported by tfdp.CheckpointManager; save them with tf.train.Checkpoint.")
-  items = []
+  out = []
   for tensor_dict in serialized.values():
     for key, slices in tensor_dict.items():
       if key == OBJECT_GRAPH_KEY and not with_object_graph:
@@ -51,10 +42,75 @@ def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
           continue
         if callable(value) and not isinstance(value, tf.Tensor):
           value = value()
-        value = tf.convert_to_tensor(value)
-        items.append(Item(key_prefix + key, slice_spec, value, _nbytes(value)))
-  items.sort(key=lambda it: (it.key, it.slice_spec))
-  return items
+        out.append((key_prefix + key, slice_spec, tf.convert_to_tensor(value)))
+  out.sort(key=lambda t: (t[0], t[1]))
+  return out
+
+
+def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
+           with_object_graph: bool = True) -> list[Item]:
+  """Returns the Items of `checkpoint`, without copying.
+
+  Uses the same serialization as `tf.train.Checkpoint.write` (object graph
+  proto under `_CHECKPOINTABLE_OBJECT_GRAPH`), so the merged result is a
+  checkpoint plain TF restores.
+
+  Raises:
+    CheckpointError: an object has a registered saver (not supported).
+  """
+  return [Item(key, spec, value, _nbytes(value))
+          for key, spec, value in _tensors(checkpoint, key_prefix, with_object_graph)]
+
+
+class CachedGather:
+  """`gather(checkpoint)` as one traced TF function, for frequent saves (the local tier).
+
+  One call reads every tensor in one function call (about 1 ms for a Keras
+  model) instead of one eager op and a graph walk per variable (about 0.5
+  ms per variable). As TF's own async checkpointing does after its first
+  save, it assumes that the checkpoint's objects stay the same; `check()`
+  with the keys of a full `gather` (every persistent save) retraces it when
+  they changed.
+
+  Args:
+    checkpoint: the `tf.train.Checkpoint`.
+  """
+
+  def __init__(self, checkpoint: tf.train.Checkpoint):
+    self._checkpoint = checkpoint
+    self._fn = None
+    self._keys = None
+
+  def _trace(self):
+    keys = []
+
+    @tf.function(autograph=False)
+    def values():
+      keys.clear()
+      out = []
+      for key, spec, value in _tensors(self._checkpoint):
+        # Sizes are known from the trace, except those of strings.
+        static = (None if value.dtype == tf.string or not value.shape.is_fully_defined()
+                  else value.shape.num_elements() * value.dtype.size)
+        keys.append((key, spec, static))
+        out.append(value)
+      return out
+
+    values.get_concrete_function()
+    self._fn, self._keys = values, list(keys)
+
+  def __call__(self) -> list[Item]:
+    if self._fn is None:
+      self._trace()
+    values = self._fn()
+    return [Item(key, spec, value, _nbytes(value) if nbytes is None else nbytes)
+            for (key, spec, nbytes), value in zip(self._keys, values)]
+
+  def check(self, items: list[Item]) -> None:
+    """Retraces at the next call when `items` (a full gather) has other keys than the traced ones."""
+    if self._keys is not None and [k[:2] for k in self._keys] != [
+        (it.key, it.slice_spec) for it in items]:
+      self._fn = self._keys = None
 
 
 def snapshot(items: list[Item]) -> list[Item]:

@@ -165,6 +165,7 @@ class CheckpointManager:
     self._local_writer = async_writer.AsyncWriter()
     self._seq = 0
     self._local_seq = 0
+    self._local_gather = items_lib.CachedGather(checkpoint)
     self._renewer = None
     self._local = self._local_tier(local_checkpoint_dir, local_checkpoint_every_steps,
                                    checkpoint_name)
@@ -336,7 +337,7 @@ class CheckpointManager:
     prefix = self._local.layout.prefix(step)
     if fs.exists(layout_lib.manifest_path(prefix)):
       return prefix
-    items = items_lib.gather(self._checkpoint)
+    items = self._local_gather()
     required = False
     if self._per_worker_ckpt is not None:
       items += items_lib.gather(self._per_worker_ckpt,
@@ -661,7 +662,9 @@ class CheckpointManager:
       local = {self._me.index: items_lib.gather(
           self._per_worker_ckpt, layout_lib.per_worker_prefix(self._me.index),
           with_object_graph=False)}
-    plan = planner.plan_save(items_lib.gather(self._checkpoint), self._me.count,
+    items = items_lib.gather(self._checkpoint)
+    self._local_gather.check(items)
+    plan = planner.plan_save(items, self._me.count,
                              max_shard_bytes=self._max_shard_bytes, local_items=local)
     if self._async:
       files = tuple(tuple(items_lib.snapshot(list(f))) for f in plan.files[self._me.index])
