@@ -1,0 +1,605 @@
+"""Local checkpoint tier benchmark: fit throughput, restore per tier, peer recovery, chaos goodput.
+
+Parts (--parts, all by default), each measured side by side in one run:
+
+  throughput  plain `model.fit` steps/s with no checkpoints, with local saves
+              every 5 steps (BackupAndRestore(save_freq=False,
+              local_checkpoint_every_steps=5)), with async and sync persistent
+              saves every 5 steps; one fresh process per run, rounds
+              interleaved, median of windows after warm-up.
+  restore     one process, 256 MB and 1 GB of state: process start to the first
+              step and the restore call alone, from the local tier (/dev/shm)
+              and from the persistent tier (the VM disk), the latter with the
+              page cache dropped first (cold) and not (warm).
+  peer        2 workers (tfdp-launch, MultiWorkerMirroredStrategy): restore with
+              both local copies, with worker 1's deleted (peer recovery by
+              collectives) and from the persistent tier.
+  chaos       the fault-tolerance tests' 2-worker job with 5 seeded SIGKILLs at
+              steps, with local saves every 5 steps and without: goodput and the
+              steps recomputed per failure.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+# The last two tell apart where the local saves' cost goes: the data
+# position's checkpointable iterator alone (a backup that never saves), and
+# local saves without the data position (TFDP_COMPAT_DISABLE=fit_data_state).
+_FIT_VARIANTS = ("none", "local", "persistent_async", "persistent_sync", "backup_nosave",
+                 "local_no_position")
+flags.DEFINE_list("parts", ["throughput", "restore", "peer", "chaos"], "Parts to run.")
+flags.DEFINE_bool("smoke", False, "Tiny sizes, one round, no chaos (tests: only checks it runs).")
+flags.DEFINE_string("out", None, "Write the results as JSON here.")
+flags.DEFINE_string("dir", None, "Scratch directory on the disk (the persistent tier; "
+                    "default: a temp dir).")
+flags.DEFINE_string("local_root", "/dev/shm", "Where the local tier goes (RAM-backed).")
+flags.DEFINE_integer("rounds", 4, "Interleaved rounds of each throughput variant.")
+flags.DEFINE_integer("fit_steps", 400, "Steps of each throughput run.")
+flags.DEFINE_list("fit_variants", list(_FIT_VARIANTS), "Throughput variants to run "
+                  "(none and local needed).")
+flags.DEFINE_list("restore_mb", ["256", "1024"], "State sizes of the restore part.")
+flags.DEFINE_integer("restore_reps", 2, "Restores per tier and size.")
+flags.DEFINE_list("peer_mb", ["256", "1024"], "State sizes of the peer part.")
+flags.DEFINE_integer("peer_reps", 2, "Restores per tier of the peer part (1 for sizes > 256 MB).")
+flags.DEFINE_integer("chaos_seed", 6, "Seed of the chaos plan.")
+flags.DEFINE_bool("drop_caches", True, "Drop the page cache before cold restores (needs root).")
+# Internal: set when this script runs as one benchmark child.
+flags.DEFINE_string("role", None, "internal: fit | make | restore")
+flags.DEFINE_string("variant", None, "internal: the variant measured")
+flags.DEFINE_integer("mb", 16, "internal: state size in MB")
+flags.DEFINE_string("work", None, "internal: work directory (the persistent tier under it)")
+flags.DEFINE_string("local_dir", None, "internal: the local tier's directory")
+flags.DEFINE_string("result", None, "internal: where a child writes its result")
+
+_MB = 1 << 20
+_VAR_MB = 16  # State is made of float32 variables of this size.
+_BATCH = 32
+_SAVE_EVERY = 5
+_PERSISTENT_STEP = 100  # The restore parts' persistent checkpoint; the local one is a step newer.
+
+
+def _log(msg):
+  print(f"[bench_tiers] {msg}", flush=True)
+
+
+# --- Children -------------------------------------------------------------
+
+
+def _fit_child():
+  """One throughput run of plain model.fit with FLAGS.variant's checkpoints."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdp  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  # A small conv net: steps of tens of ms on 2 cores and ~4 MB of state with
+  # Adam's slots, so a save copies a few MB, as a small real model does.
+  model = keras.Sequential([
+      keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+      keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"),
+      keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+      keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+  model.compile(optimizer="adam",
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(1024, 32, 32, 3)).astype("float32")
+  y = rng.integers(0, 10, size=1024)
+  ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(_BATCH).prefetch(2)
+  stamps = bench_common.step_stamps_callback()
+  callbacks = [stamps]
+  backup = None
+  backup_dir = os.path.join(FLAGS.work, "backup")
+  local_dir = os.path.join(FLAGS.local_root, f"tfdp_bench_tiers_{os.getpid()}")
+  if FLAGS.variant in ("local", "local_no_position"):
+    backup = tfdp.callbacks.BackupAndRestore(
+        backup_dir, save_freq=False, local_checkpoint_every_steps=_SAVE_EVERY,
+        local_checkpoint_dir=local_dir)
+  elif FLAGS.variant in ("persistent_async", "persistent_sync"):
+    backup = tfdp.callbacks.BackupAndRestore(
+        backup_dir, save_freq=_SAVE_EVERY, async_save=FLAGS.variant == "persistent_async")
+  elif FLAGS.variant == "backup_nosave":
+    backup = tfdp.callbacks.BackupAndRestore(backup_dir, save_freq=False)
+  skipped = []
+  if backup is not None:
+
+    class Skipped(keras.callbacks.Callback):
+      """Reads the manager's count before BackupAndRestore's on_train_end lets it go."""
+
+      def on_train_end(self, logs=None):
+        skipped.append(getattr(backup.manager, "local_saves_skipped", None))
+
+    callbacks[:0] = [Skipped(), backup]
+  try:
+    model.fit(ds, epochs=1, steps_per_epoch=FLAGS.fit_steps, callbacks=callbacks, verbose=0)
+  finally:
+    shutil.rmtree(local_dir, ignore_errors=True)
+    shutil.rmtree(backup_dir, ignore_errors=True)
+  warmup = min(50, FLAGS.fit_steps // 4)
+  window = max(5, min(50, (FLAGS.fit_steps - warmup) // 4))
+  rates = bench_common.window_rates(stamps.stamps, 1, warmup, window)  # steps/s
+  state = sum(v.numpy().nbytes for v in model.variables + model.optimizer.variables)
+  # Step i + 1 ends at stamps[i], after the callback's save (if due) there:
+  # steps that save show the blocking, the others any background contention.
+  ms = {True: [], False: []}
+  for i in range(warmup, len(stamps.stamps)):
+    ms[(i + 1) % _SAVE_EVERY == 0].append(1000 * (stamps.stamps[i] - stamps.stamps[i - 1]))
+  _write({"rates": rates, "state_bytes": state,
+          "local_saves_skipped": skipped[0] if skipped else None,
+          "save_step_ms": bench_common.median(ms[True]),
+          "other_step_ms": bench_common.median(ms[False])})
+
+
+def _state(strategy, mb):
+  """FLAGS.mb MB of float32 variables (16 MB each, zeros) and a step counter, under `strategy`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  per_var = _VAR_MB * _MB // 4
+  with strategy.scope():
+    variables = [tf.Variable(tf.zeros([per_var]), name=f"v{i}")
+                 for i in range(max(1, mb // _VAR_MB))]
+    step = tf.Variable(0, dtype=tf.int64, name="step")
+  return variables, step
+
+
+def _manager(variables, step, strategy, work, local):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdp  # pylint: disable=g-import-not-at-top
+  module = tf.Module()
+  module.vars = variables
+  ckpt = tf.train.Checkpoint(m=module, step=step)
+  with strategy.scope():
+    return tfdp.CheckpointManager(
+        ckpt, os.path.join(work, "persistent"), max_to_keep=2, step_counter=step,
+        strategy=strategy if strategy.num_replicas_in_sync > 1 else None,
+        commit_timeout=600, local_checkpoint_dir=FLAGS.local_dir if local else None)
+
+
+def _strategy():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if int(os.environ.get("TFDP_NUM_WORKERS", "1")) > 1:
+    return tf.distribute.MultiWorkerMirroredStrategy()
+  return tf.distribute.get_strategy()
+
+
+def _make_child():
+  """Saves FLAGS.mb MB: persistent at step 100, then the local tier at step 101."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  strategy = _strategy()
+  variables, step = _state(strategy, FLAGS.mb)
+  for i, v in enumerate(variables):
+    v.assign(tf.random.uniform(v.shape, seed=i))
+  mgr = _manager(variables, step, strategy, FLAGS.work, local=True)
+  step.assign(_PERSISTENT_STEP)
+  mgr.save(checkpoint_number=_PERSISTENT_STEP, check_interval=False)
+  mgr.sync()
+  step.assign_add(1)
+  variables[0].assign_add(tf.ones_like(variables[0]))
+  mgr.save_local(_PERSISTENT_STEP + 1)
+  mgr.sync()
+  mgr.close()
+  _write({"local": mgr.local_checkpoints()}, per_worker=True)
+
+
+def _restore_child():
+  """Restores from the tier FLAGS.variant names, then takes one step; writes wall-clock stamps.
+
+  The single-process child waits on stdin after its imports and set-up, so
+  the parent can drop the page cache (of the checkpoint only: TF's libraries
+  are mapped then) between set-up and restore.
+  """
+  stamps = {"start": float(os.environ["BENCH_T0"])}
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  strategy = _strategy()
+  variables, step = _state(strategy, FLAGS.mb)
+  mgr = _manager(variables, step, strategy, FLAGS.work, local=FLAGS.variant != "persistent")
+
+  @tf.function
+  def train_step():
+    # Reads and updates the state, as a step does; under MWMS the reduce is a
+    # collective, so the first step ends once every worker has restored.
+    total = strategy.reduce(
+        "SUM", strategy.run(lambda: tf.reduce_sum(variables[-1][:8])), axis=None)
+    variables[0].assign_add(tf.ones_like(variables[0]))
+    step.assign_add(1)
+    return total
+
+  stamps["ready"] = time.time()
+  if os.environ.get("BENCH_HANDSHAKE"):
+    print("ready", flush=True)
+    sys.stdin.readline()
+  stamps["go"] = time.time()
+  prefix = mgr.restore_or_initialize()
+  stamps["restored"] = time.time()
+  train_step()
+  stamps["first_step"] = time.time()
+  got = int(step.numpy())
+  # TF's restore alone of the same files, now that the process has read them
+  # once: the part of the restore call that is reading the state.
+  t = time.time()
+  mgr.checkpoint.restore(prefix)
+  stamps["tf_restore_again_s"] = time.time() - t
+  mgr.close()
+  want = _PERSISTENT_STEP + (1 if FLAGS.variant == "persistent" else 2)
+  if got != want or prefix is None:
+    raise RuntimeError(f"{FLAGS.variant}: restored {prefix} (tier {mgr.restored_tier}), "
+                       f"step {got} after one step, expected {want}")
+  _write(dict(stamps, tier=mgr.restored_tier, prefix=prefix), per_worker=True)
+
+
+def _write(obj, per_worker=False):
+  path = FLAGS.result
+  if per_worker:
+    path += f"-w{os.environ.get('TFDP_WORKER_INDEX', '0')}"
+  with open(path, "w") as f:
+    json.dump(obj, f)
+
+
+# --- Parent ---------------------------------------------------------------
+
+
+def _cmd(role, result, work, **extra):
+  cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}", f"--result={result}",
+         f"--work={work}", f"--local_root={FLAGS.local_root}", f"--fit_steps={FLAGS.fit_steps}"]
+  return cmd + [f"--{k}={v}" for k, v in extra.items()]
+
+
+def _drop_caches():
+  """Drops the page cache (root only): the next read of the persistent tier comes from disk."""
+  subprocess.call(["sync"])
+  try:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+      f.write("3\n")
+    return True
+  except OSError as e:
+    logging.warning("cannot drop the page cache (%s): 'cold' is warm", e)
+    return False
+
+
+def _child(cmd, log, env=None, handshake=None):
+  """Runs one child; with `handshake`, calls it between the child's set-up and its restore."""
+  env = bench_common.worker_env(dict(env or {}, BENCH_T0=repr(time.time())))
+  if handshake is None:
+    code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+  else:
+    env["BENCH_HANDSHAKE"] = "1"
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=log, text=True)
+    for line in proc.stdout:
+      log.write(line)
+      if line.strip() == "ready":
+        handshake()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    code = proc.wait()
+  log.flush()
+  if code != 0:
+    raise RuntimeError(f"{' '.join(cmd[2:4])} failed (exit {code}); see {log.name}")
+
+
+def _launch(cmd, log, n=2):
+  from tfdp import launch  # pylint: disable=g-import-not-at-top
+  env = bench_common.worker_env({"BENCH_T0": repr(time.time())})
+  code = launch.launch(cmd, n, env=env, out=log, grace_seconds=5)
+  log.flush()
+  if code != 0:
+    raise RuntimeError(f"{' '.join(cmd[2:4])} failed under tfdp-launch (exit {code}); "
+                       f"see {log.name}")
+
+
+def _read(result, n=1):
+  out = []
+  for i in range(n):
+    with open(f"{result}-w{i}") as f:
+      out.append(json.load(f))
+  return out
+
+
+def _throughput_part(base, log):
+  order = [v for v in _FIT_VARIANTS if v in FLAGS.fit_variants]
+  rates = {v: [] for v in order}
+  save_ms = {v: [] for v in order}
+  other_ms = {v: [] for v in order}
+  skipped, state = [], None
+  for rnd in range(FLAGS.rounds):
+    for variant in order[rnd % len(order):] + order[:rnd % len(order)]:
+      work = tempfile.mkdtemp(prefix=f"fit-{variant}-", dir=base)
+      result = os.path.join(work, "result")
+      env = ({"TFDP_COMPAT_DISABLE": "fit_data_state"} if variant == "local_no_position"
+             else None)
+      _child(_cmd("fit", result, work, variant=variant), log, env=env)
+      with open(result) as f:
+        r = json.load(f)
+      rates[variant].append(bench_common.median(r["rates"]))
+      save_ms[variant].append(r["save_step_ms"])
+      other_ms[variant].append(r["other_step_ms"])
+      state = r["state_bytes"]
+      if variant == "local":
+        skipped.append(r["local_saves_skipped"])
+      shutil.rmtree(work, ignore_errors=True)
+      _log(f"throughput round {rnd} {variant}: {rates[variant][-1]:.2f} steps/s")
+  med = {v: bench_common.median(rs) for v, rs in rates.items()}
+  rows = [{"variant": v, "steps_per_s": med[v], "save_step_ms": bench_common.median(save_ms[v]),
+           "other_step_ms": bench_common.median(other_ms[v]), "vs_none": med[v] / med["none"],
+           "runs": " ".join(f"{x:.1f}" for x in rates[v])} for v in order]
+  ratio = med["local"] / med["none"]
+  print(f"\nthroughput: plain model.fit, conv net, batch {_BATCH}, "
+        f"{state / _MB:.1f} MB of state, {FLAGS.fit_steps} steps a run, saves every "
+        f"{_SAVE_EVERY} steps, median of {FLAGS.rounds} interleaved runs")
+  print(bench_common.table(rows, [
+      ("variant", "variant", None), ("steps_per_s", "steps/s", "{:.2f}"),
+      ("vs_none", "vs none", "{:.3f}"),
+      ("save_step_ms", f"median ms, steps % {_SAVE_EVERY} = 0", "{:.1f}"),
+      ("other_step_ms", "median ms, other steps", "{:.1f}"),
+      ("runs", "per-run steps/s", None)]))
+  ratios = {f"local_vs_{v}": med["local"] / med[v] for v in order if v != "local"}
+  print("; ".join([f"local/none {ratio:.3f} (target >= 0.98: "
+                   f"{'MET' if ratio >= 0.98 else 'MISSED'})"]
+                  + [f"{k.replace('_vs_', '/')} {x:.3f}" for k, x in ratios.items()
+                     if k != "local_vs_none"]
+                  + [f"local saves skipped (previous still writing): {skipped}"]))
+  return {"rows": rows, "runs": rates, "state_bytes": state, "local_saves_skipped": skipped,
+          "ratio_local_vs_none": ratio, "ratios": ratios,
+          "target": {"min": 0.98, "met": ratio >= 0.98}}
+
+
+def _restore_row(samples, **row):
+  for key in samples[0]:
+    row[key] = bench_common.median([s[key] for s in samples])
+  return row
+
+
+def _timings(ws):
+  """Seconds of one restore (the slowest worker): to the first step, excluding a handshake wait."""
+  return {"to_first_step_s": max((w["ready"] - w["start"]) + (w["first_step"] - w["go"])
+                                 for w in ws),
+          "restore_s": max(w["restored"] - w["go"] for w in ws),
+          "tf_restore_again_s": max(w["tf_restore_again_s"] for w in ws)}
+
+
+def _restore_part(base, log, sizes):
+  """Single process: local vs persistent, each after a page cache drop (cold) and not (warm).
+
+  tmpfs keeps the local tier through a drop; what else the drop evicts (the
+  parts of TF and Python not yet read) shows in "local, dropped".
+  """
+  rows = []
+  variants = (("local", True), ("local", False), ("persistent", True), ("persistent", False))
+  for mb in sizes:
+    work = os.path.join(base, f"restore-{mb}")
+    os.makedirs(work)
+    local = os.path.join(FLAGS.local_root, f"tfdp_bench_tiers_{os.getpid()}_{mb}")
+    try:
+      _child(_cmd("make", os.path.join(work, "make"), work, mb=mb, local_dir=local), log)
+      samples = {v: [] for v in variants}
+      for rep in range(FLAGS.restore_reps):
+        for tier, cold in variants:
+          result = os.path.join(work, f"r-{tier}-{cold}-{rep}")
+
+          def hook(cold=cold):
+            if cold and FLAGS.drop_caches:
+              _drop_caches()
+
+          _child(_cmd("restore", result, work, mb=mb, variant=tier, local_dir=local), log,
+                 handshake=hook)
+          ws = _read(result)
+          if ws[0]["tier"] != tier:
+            raise RuntimeError(f"restored from {ws[0]['tier']}, wanted {tier}")
+          samples[(tier, cold)].append(_timings(ws))
+          _log(f"restore {mb} MB {tier} {'cold' if cold else 'warm'}: {samples[(tier, cold)][-1]}")
+      for (tier, cold), ss in samples.items():
+        cache = ("dropped (tmpfs keeps it)" if tier == "local" else "dropped: cold") if cold \
+            else "warm (not dropped)"
+        rows.append(_restore_row(ss, state_MB=mb, tier=tier, cache=cache,
+                                 cold=cold, reps=len(ss)))
+    finally:
+      shutil.rmtree(local, ignore_errors=True)
+      shutil.rmtree(work, ignore_errors=True)
+  print(f"\nrestore: one process, float32 variables of {_VAR_MB} MB; local = "
+        f"{FLAGS.local_root} (tmpfs), persistent = {base} (VM disk); page cache dropped "
+        f"with `sync; echo 3 > /proc/sys/vm/drop_caches` (as root) after the child's "
+        f"imports, before its restore; medians of {FLAGS.restore_reps}")
+  print(bench_common.table(rows, [
+      ("state_MB", "MB", "{}"), ("tier", "tier", None), ("cache", "page cache", None),
+      ("to_first_step_s", "start to 1st step s", "{:.2f}"),
+      ("restore_s", "restore call s", "{:.3f}"),
+      ("tf_restore_again_s", "TF restore again s", "{:.3f}")]))
+  ratios = {}
+  for mb in sizes:
+    by = {(r["tier"], r["cold"]): r for r in rows if r["state_MB"] == mb}
+    for cold in (True, False):
+      loc, p = by[("local", cold)], by[("persistent", cold)]
+      tag = f"{mb}MB_{'cold' if cold else 'warm'}"
+      ratios[tag] = {"restore_x": p["restore_s"] / loc["restore_s"],
+                     "to_first_step_x": p["to_first_step_s"] / loc["to_first_step_s"]}
+      ratios[tag]["met"] = ratios[tag]["restore_x"] >= 3
+      print(f"  {mb} MB persistent / local, both {'dropped' if cold else 'warm'}: restore call "
+            f"{ratios[tag]['restore_x']:.2f}x, start to first step "
+            f"{ratios[tag]['to_first_step_x']:.2f}x (target local >= 3x faster, restore "
+            f"call: {'MET' if ratios[tag]['met'] else 'MISSED'})")
+  return {"rows": rows, "ratios": ratios}
+
+
+def _peer_part(base, log, sizes):
+  """2 workers: both local copies vs worker 1's deleted (peer recovery) vs the persistent tier."""
+  rows = []
+  for mb in sizes:
+    work = os.path.join(base, f"peer-{mb}")
+    os.makedirs(work)
+    local = os.path.join(FLAGS.local_root, f"tfdp_bench_tiers_{os.getpid()}_peer{mb}")
+    reps = FLAGS.peer_reps if mb <= 256 else 1
+    try:
+      t = time.perf_counter()
+      _launch(_cmd("make", os.path.join(work, "make"), work, mb=mb, local_dir=local), log)
+      _log(f"peer {mb} MB: saved in {time.perf_counter() - t:.1f} s")
+      samples = {"local": [], "peer": [], "persistent": []}
+      for rep in range(reps):
+        # Peer recovery writes worker 1's copy back, so "local" can follow it.
+        for tier in ("local", "peer", "persistent"):
+          if tier == "peer":
+            shutil.rmtree(os.path.join(local, "worker-1"))
+          result = os.path.join(work, f"p-{tier}-{rep}")
+          _launch(_cmd("restore", result, work, mb=mb, variant=tier, local_dir=local), log)
+          ws = _read(result, 2)
+          if any(w["tier"] != tier for w in ws):
+            raise RuntimeError(f"restored from {[w['tier'] for w in ws]}, wanted {tier}")
+          samples[tier].append(_timings(ws))
+          _log(f"peer {mb} MB {tier}: {samples[tier][-1]}")
+      for tier, ss in samples.items():
+        rows.append(_restore_row(ss, state_MB=mb, tier=tier, reps=len(ss)))
+    finally:
+      shutil.rmtree(local, ignore_errors=True)
+      shutil.rmtree(work, ignore_errors=True)
+  print("\npeer: 2 workers (tfdp-launch, MultiWorkerMirroredStrategy, one host), page cache "
+        "warm; 'peer' = worker 1's local dir deleted before the start, it gets the state "
+        "from worker 0 by collectives; times of the slower worker; start = the launch")
+  print(bench_common.table(rows, [
+      ("state_MB", "MB", "{}"), ("tier", "restore from", None), ("reps", "runs", "{}"),
+      ("to_first_step_s", "launch to 1st step s", "{:.2f}"),
+      ("restore_s", "restore call s", "{:.3f}"),
+      ("tf_restore_again_s", "TF restore again s", "{:.3f}")]))
+  ratios = {}
+  for mb in sizes:
+    by = {r["tier"]: r for r in rows if r["state_MB"] == mb}
+    ratios[f"{mb}MB"] = {"peer_vs_local": by["peer"]["restore_s"] / by["local"]["restore_s"],
+                         "persistent_vs_peer": by["persistent"]["restore_s"]
+                                               / by["peer"]["restore_s"]}
+    print(f"  {mb} MB restore call: peer/local {ratios[f'{mb}MB']['peer_vs_local']:.2f}x, "
+          f"persistent(warm)/peer {ratios[f'{mb}MB']['persistent_vs_peer']:.2f}x")
+  return {"rows": rows, "ratios": ratios}
+
+
+def _chaos_plan(seed, steps):
+  """5 SIGKILLs at seeded, increasing steps in [10, steps - 10), of random workers.
+
+  A step kill fires once the heartbeat step reaches it, so a kill below the
+  step the previous restart restored would fire at once: increasing steps.
+  """
+  rng = random.Random(seed)
+  kills = sorted(rng.sample(range(10, steps - 10), 5))
+  return {str(i): {"worker": rng.randrange(2), "step": s} for i, s in enumerate(kills)}
+
+
+def _chaos_part(base):
+  bench_common.ensure_repo_on_path()
+  from tests.workers import ft_common  # pylint: disable=g-import-not-at-top
+  plan = _chaos_plan(FLAGS.chaos_seed, ft_common.STEPS)
+  local = os.path.join(FLAGS.local_root, f"tfdp_bench_tiers_{os.getpid()}_chaos")
+  configs = {
+      "tiers": ["--checkpoint_every_steps=100", f"--local_checkpoint_every_steps={_SAVE_EVERY}",
+                f"--local_checkpoint_dir={local}"],
+      "persistent_only": ["--checkpoint_every_steps=100"]}
+  rows, lines = [], {}
+  for name, train_flags in configs.items():
+    model_dir = os.path.join(base, f"chaos-{name}")
+    t = time.perf_counter()
+    try:
+      code, out = ft_common.run_job(
+          model_dir, os.path.join(base, f"chaos-{name}.log"), train_flags,
+          env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan)), max_restarts=5, hang_timeout=60)
+    finally:
+      shutil.rmtree(local, ignore_errors=True)
+    wall = time.perf_counter() - t
+    if code != 0:
+      raise RuntimeError(f"chaos job {name} failed (exit {code}):\n{out[-3000:]}")
+    lines[name] = next((l for l in out.splitlines() if "[tfdp-launch] goodput " in l), None)
+    with open(os.path.join(model_dir, "goodput.json")) as f:
+      summary = json.load(f)
+    restarts = summary["restarts"]
+    tiers = [a.get("restored_tier") for a in summary.get("attempts", [])]
+    rows.append({"config": name, "wall_s": wall, "restarts": restarts,
+                 "recomputed_steps": summary["recomputed_steps"],
+                 "per_failure": summary["recomputed_steps"] / max(1, restarts),
+                 "goodput": _goodput_percent(lines[name]), "tiers": " ".join(map(str, tiers))})
+    _log(f"chaos {name}: {lines[name]}")
+    shutil.copy(os.path.join(model_dir, "goodput.json"),
+                os.path.join(base, f"chaos-{name}.goodput.json"))
+  print(f"\nchaos: tests/workers/ft_train.py job ({ft_common.STEPS} steps, cnn, 2 workers), "
+        f"max_restarts=5, hang_timeout=60, SIGKILLs {json.dumps(plan)}")
+  for name, line in lines.items():
+    print(f"  {name}: {line}")
+  print(bench_common.table(rows, [
+      ("config", "config", None), ("restarts", "restarts", "{}"),
+      ("recomputed_steps", "steps recomputed", "{}"),
+      ("per_failure", "recomputed per failure", "{:.1f}"), ("goodput", "goodput %", "{}"),
+      ("wall_s", "wall s", "{:.0f}"), ("tiers", "restored tier per attempt", None)]))
+  with_tiers = rows[0]["per_failure"]
+  print(f"recomputed steps per failure: tiers {with_tiers:.1f} (target <= 5: "
+        f"{'MET' if with_tiers <= 5 else 'MISSED'}), persistent only "
+        f"{rows[1]['per_failure']:.1f}")
+  return {"plan": plan, "rows": rows, "goodput_lines": lines,
+          "target": {"max": 5, "met": with_tiers <= 5}}
+
+
+def _goodput_percent(line):
+  found = re.search(r"goodput ([\d.]+)%", line or "")
+  return found.group(1) if found else None
+
+
+def _part(name, fn, results):
+  before = bench_common.load_average()
+  t = time.perf_counter()
+  _log(f"part {name}: load average {before}")
+  results[name] = fn()
+  results[name]["load_avg_before"] = before
+  results[name]["load_avg_after"] = bench_common.load_average()
+  results[name]["wall_s"] = time.perf_counter() - t
+  print(f"part {name}: {results[name]['wall_s']:.0f} s, load average before {before}, "
+        f"after {results[name]['load_avg_after']}", flush=True)
+
+
+def main(argv):
+  del argv
+  roles = {"fit": _fit_child, "make": _make_child, "restore": _restore_child}
+  if FLAGS.role:
+    roles[FLAGS.role]()
+    return
+  if FLAGS.smoke:
+    FLAGS.rounds, FLAGS.fit_steps, FLAGS.restore_reps, FLAGS.peer_reps = 1, 40, 1, 1
+    FLAGS.restore_mb, FLAGS.peer_mb = ["16"], ["16"]
+    FLAGS.fit_variants = ["none", "local"]
+    FLAGS.parts = [p for p in FLAGS.parts if p != "chaos"]
+  machine = bench_common.machine()
+  _log(f"machine: {json.dumps(machine)}")
+  base = FLAGS.dir or tempfile.mkdtemp(prefix="tfdp_bench_tiers_")
+  os.makedirs(base, exist_ok=True)
+  results = {}
+  log = open(os.path.join(base, "log.txt"), "w")  # pylint: disable=consider-using-with
+  _log(f"children's output: {log.name}")
+  parts = {
+      "throughput": lambda: _throughput_part(base, log),
+      "restore": lambda: _restore_part(base, log, [int(s) for s in FLAGS.restore_mb]),
+      "peer": lambda: _peer_part(base, log, [int(s) for s in FLAGS.peer_mb]),
+      "chaos": lambda: _chaos_part(base)}
+  try:
+    for name in FLAGS.parts:
+      _part(name, parts[name], results)
+  finally:
+    log.close()
+    load_end = bench_common.load_average()
+    print(f"\nmachine: {machine['nproc']} CPUs, {machine['cpu_model']}, {machine['ram_gib']} GiB, "
+          f"TF {machine['tensorflow']}, Keras {machine['keras']}, {machine['date_utc']}; "
+          f"load average start {machine['load_avg_start']}, end {load_end}")
+    bench_common.write_json(FLAGS.out, {
+        "results": results, "machine": machine, "load_avg_end": load_end,
+        "smoke": FLAGS.smoke, "parts": FLAGS.parts, "dir": base,
+        "command": " ".join(sys.argv)})
+    if not FLAGS.dir:
+      shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
