@@ -15,7 +15,10 @@ SCRIPTS = {
     "bench_resume.py": ["machine", "rows", "ratio_largest_vs_smallest", "target"],
     "bench_checkpoint.py": ["rows", "targets", "machine"],
     "scaling_model.py": ["params", "rows", "references", "assumptions"],
+    "bench_tiers.py": ["machine", "parts", "results"],
 }
+# Extra flags of a script's smoke run (its other parts start many processes).
+EXTRA = {"bench_tiers.py": ["--parts=throughput"]}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def results(tmp_path_factory):
     log = open(tmp / (script + ".log"), "w")  # pylint: disable=consider-using-with
     procs[script] = (subprocess.Popen(
         [sys.executable, os.path.join(REPO, "scripts", script), "--smoke",
-         f"--out={out}"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
+         f"--out={out}"] + EXTRA.get(script, []), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
                      out, log)
   done = {}
   for script, (proc, out, log) in procs.items():
@@ -61,3 +64,6 @@ def test_smoke_writes_json(results, script):
     assert [r["workers"] for r in data["scaling"]["rows"]][:2] == [1, 2]
   if script == "bench_resume.py":
     assert {r["variant"] for r in data["rows"]} == {"tfdp", "stock"}
+  if script == "bench_tiers.py":
+    assert data["results"]["throughput"]["ratio_local_vs_none"] > 0
+

@@ -502,11 +502,16 @@ class CheckpointManager:
           continue
         # Every worker takes part in the transfer; the holders' values are
         # the restored ones, the first holder's are sent.
+        sent = time.perf_counter()
         items = tiers.transfer(items_lib.gather(self._checkpoint), choice.holders[0],
                                strategy)
+        phases = {"transfer": time.perf_counter() - sent}
         if mine is None:
+          wrote = time.perf_counter()
           mine = self._write_recovered(choice, items)
+          phases["write"] = time.perf_counter() - wrote
           outcome = self._restore_local(mine, before_restore, per_worker=False)
+          phases["restore"] = time.perf_counter() - wrote - phases["write"]
       if self._agree_outcome(outcome) != _OK:
         continue
       self._restored(mine.prefix, mine.manifest)
@@ -517,9 +522,11 @@ class CheckpointManager:
           logging.info("tfdp: restored step %d from the local tier (each worker's own "
                        "copy, %.2f s).", choice.step, seconds)
       elif self._me.index not in choice.holders:
-        logging.warning("tfdp: recovered step %d from worker %d through collectives "
-                        "(this worker had no local copy; %.2f s).", choice.step,
-                        choice.holders[0], seconds)
+        logging.warning(
+            "tfdp: recovered step %d from worker %d through collectives (this worker "
+            "had no local copy): %.1f MB in %.2f s (%s).", choice.step, choice.holders[0],
+            mine.manifest.state_bytes / 1e6, seconds,
+            ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
       elif self._me.is_chief:
         logging.info("tfdp: restored step %d from the local tier; worker(s) %s got it "
                      "from worker %d.", choice.step,
