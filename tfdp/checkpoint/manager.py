@@ -508,10 +508,14 @@ class CheckpointManager:
         phases = {"transfer": time.perf_counter() - sent}
         if mine is None:
           wrote = time.perf_counter()
-          mine = self._write_recovered(choice, items)
-          phases["write"] = time.perf_counter() - wrote
-          outcome = self._restore_local(mine, before_restore, per_worker=False)
-          phases["restore"] = time.perf_counter() - wrote - phases["write"]
+          try:
+            mine = self._write_recovered(choice, items)
+          except Exception as e:  # pylint: disable=broad-except
+            outcome = e  # Raised on every worker by the agreement below.
+          else:
+            phases["write"] = time.perf_counter() - wrote
+            outcome = self._restore_local(mine, before_restore, per_worker=False)
+            phases["restore"] = time.perf_counter() - wrote - phases["write"]
       if self._agree_outcome(outcome) != _OK:
         continue
       self._restored(mine.prefix, mine.manifest)
