@@ -18,7 +18,7 @@ SCRIPTS = {
     "bench_tiers.py": ["machine", "parts", "results"],
 }
 # Extra flags of a script's smoke run (its other parts start many processes).
-EXTRA = {"bench_tiers.py": ["--parts=throughput"]}
+EXTRA = {"bench_tiers.py": ["--parts=throughput", "--fit_variants=none,local"]}
 
 
 @pytest.fixture(scope="module")

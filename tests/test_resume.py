@@ -13,7 +13,6 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO, WORKERS, launch_workers
-from tfdp import preemption
 
 TRAIN = [sys.executable, "-m", "tfdp.cli.train"]
 # The same program, slowed down from step TFDP_TEST_SLOW_FROM on so that a
@@ -142,26 +141,6 @@ def test_sigkill_then_rerun_is_bitwise_equal(reference, killed):
   assert "worker 1 was killed by SIGKILL" in out, out[-3000:]
   assert max(steps) >= 20 and 60 not in steps, steps
   assert f"at step {max(steps)}" in resumed
-  assert_bitwise_equal(reference, os.path.join(model_dir, FINAL))
-
-
-def test_sigterm_to_the_launcher_saves_agreed_step_and_rerun_is_bitwise_equal(
-    reference, tmp_path):
-  """SIGTERM forwarded by the launcher; Ctrl-C (SIGINT) takes the same handler (test_preemption)."""
-  model_dir = str(tmp_path / "model")
-  code, out = interrupt(model_dir, "sigterm")
-  # Every worker saved at the step they agreed on and exited with the
-  # preemption code (which tfdp-launch reports as a worker failure).
-  assert f"code {preemption.EXIT_PREEMPTED}" in out, out[-5000:]
-  assert code != 0
-  steps = committed_steps(model_dir)
-  stop = max(steps)
-  assert 20 < stop < 60 and stop % 10, (steps, out[-3000:])
-  assert f"Preempted: saved {model_dir}/ckpt-{stop} at step {stop}" in out, out[-3000:]
-  assert len([f for f in os.listdir(model_dir)
-              if f.startswith(f"ckpt-{stop}.data")]) == 2  # both workers wrote
-  resumed = resume(model_dir)
-  assert f"at step {stop}" in resumed
   assert_bitwise_equal(reference, os.path.join(model_dir, FINAL))
 
 
