@@ -340,9 +340,7 @@ class CheckpointManager:
     items = self._local_gather()
     required = False
     if self._per_worker_ckpt is not None:
-      items += items_lib.gather(self._per_worker_ckpt,
-                                layout_lib.per_worker_prefix(self._me.index),
-                                with_object_graph=False)
+      items += self._per_worker_items()
       required = any(getattr(obj, "tfdp_required", True) for obj in self._per_worker.values())
     files = [items_lib.snapshot(f) for f in planner.split_for_parallel_write(items)]
     meta = self._meta(step, step, None, tier="local", run_token=self._local.token,
@@ -667,12 +665,15 @@ class CheckpointManager:
       last_preserved = self._catalog.last_preserved
     return retention.sweep(entries, self._keep, self._hours, last_preserved)
 
+  def _per_worker_items(self):
+    """This worker's per-worker state as Items under its own keys (`_tfdp_per_worker/<i>/`)."""
+    return items_lib.gather(self._per_worker_ckpt, layout_lib.per_worker_prefix(self._me.index),
+                            with_object_graph=False)
+
   def _plan(self):
     local = None
     if self._per_worker_ckpt is not None:
-      local = {self._me.index: items_lib.gather(
-          self._per_worker_ckpt, layout_lib.per_worker_prefix(self._me.index),
-          with_object_graph=False)}
+      local = {self._me.index: self._per_worker_items()}
     items = items_lib.gather(self._checkpoint)
     self._local_gather.check(items)
     plan = planner.plan_save(items, self._me.count,

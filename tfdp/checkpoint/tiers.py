@@ -11,7 +11,6 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from tfdp import cluster
 from tfdp import errors
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import layout as layout_lib
@@ -268,12 +267,17 @@ def transfer(items: list[planner.Item], source: int, strategy) -> list[planner.I
   """
   local = len(strategy.extended.worker_devices)
   src = source * local
-  numeric = [it for it in items if it.key != planner.OBJECT_GRAPH_KEY
-             and tf.convert_to_tensor(it.value).dtype != tf.string]
-  strings = [it for it in items if it.key != planner.OBJECT_GRAPH_KEY
-             and tf.convert_to_tensor(it.value).dtype == tf.string]
-  blobs = [tf.io.serialize_tensor(tf.convert_to_tensor(it.value)).numpy() for it in strings]
-  values = [tf.convert_to_tensor(it.value) for it in numeric]
+  numeric, values, strings, blobs = [], [], [], []
+  for it in items:
+    if it.key == planner.OBJECT_GRAPH_KEY:
+      continue
+    value = tf.convert_to_tensor(it.value)
+    if value.dtype == tf.string:
+      strings.append(it)
+      blobs.append(tf.io.serialize_tensor(value).numpy())
+    else:
+      numeric.append(it)
+      values.append(value)
   wires = [_to_wire(v) for v in values]
   wires.append(tf.constant([len(b) for b in blobs], tf.int64, shape=[len(blobs)]))
   got = _all_reduce_from(strategy, src, wires)

@@ -39,7 +39,7 @@ EXIT_PEER_LOST = 69   # a worker's peer disappeared; a consequence, not a cause
 
 # Environment of every worker.
 ENV_HEARTBEAT_FILE = "TFDP_HEARTBEAT_FILE"
-ENV_RESTART_COUNT = "TFDP_RESTART_COUNT"
+ENV_RESTART_COUNT = goodput.ENV_RESTART_COUNT
 
 POLL_SECONDS = 0.2
 # How long the output of exited workers may still take to arrive.
