@@ -2,6 +2,7 @@
 
 import os
 
+from tfdp.checkpoint import catalog
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint.layout import Layout
 
@@ -44,6 +45,6 @@ def test_scan_and_files_of(tmp_path):
                "ckpt-2.index", "checkpoint", "notes.txt"):
     (tmp_path / name).write_text("x")
   lay = Layout(str(tmp_path), "ckpt")
-  assert lay.scan() == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
-  assert sorted(os.path.basename(p) for p in lay.files_of(lay.prefix(1))) == [
+  assert catalog.scan(lay) == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
+  assert sorted(os.path.basename(p) for p in catalog.files_of(lay, lay.prefix(1))) == [
       "ckpt-1.data-00000-of-00001", "ckpt-1.index"]

@@ -12,13 +12,13 @@ from tfdp import errors
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import planner
 from tfdp.checkpoint import restore as restore_lib
-from tfdp.checkpoint import tiers
+from tfdp.checkpoint import recovery
 
 
 def _row(persistent, *held):
   """An `offer` row: held = (step, required) pairs, newest first."""
   row = [0.0 if persistent is None else persistent + 1.0]
-  for i in range(tiers.LOCAL_KEEP):
+  for i in range(recovery.LOCAL_KEEP):
     row += [held[i][0] + 1.0, float(held[i][1])] if i < len(held) else [0.0, 0.0]
   return row
 
@@ -47,7 +47,7 @@ def _row(persistent, *held):
     ([_row(None, (5, 0)), _row(None)], ("peer", 5, (0,))),
 ])
 def test_the_workers_choose_the_newest_state_they_can_have(rows, expected):
-  choice = tiers.choose(np.array(rows))
+  choice = recovery.choose(np.array(rows))
   assert (choice.kind, choice.step, choice.holders) == expected
 
 
@@ -69,7 +69,7 @@ def test_transfer_is_bitwise_exact_for_every_dtype_and_strings():
   }
   items = [planner.Item(k, "", v, 0) for k, v in sorted(values.items())]
   items.append(planner.Item(planner.OBJECT_GRAPH_KEY, "", tf.constant(b"graph"), 0))
-  out = {it.key: it.value for it in tiers.transfer(items, 0, strategy)}
+  out = {it.key: it.value for it in recovery.transfer(items, 0, strategy)}
   for key, value in values.items():
     got = tf.convert_to_tensor(out[key])
     assert got.dtype == value.dtype and got.shape == value.shape, key
@@ -185,7 +185,7 @@ def test_local_tier_arguments_are_checked(tmp_path):
   local = tfdp.CheckpointManager(ckpt, str(tmp_path / "d"), local_checkpoint_every_steps=5)
   with pytest.raises(errors.ConfigError, match="needs step= or the manager's step_counter"):
     local.save_local()
-  assert local.local_directory.startswith(tiers.DEFAULT_LOCAL_ROOT)
+  assert local.local_directory.startswith(layout_lib.DEFAULT_LOCAL_ROOT)
   local.drop_local()
 
 

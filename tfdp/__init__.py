@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from tfdp._version import __version__
 
 # Public name -> the module that defines it (None: the name is a submodule).
 _PUBLIC = {
@@ -39,10 +39,14 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-# Submodules whose import does not apply tfdp.compat: the launcher's and
-# tfdp.goodput, which the launcher uses (they import no TensorFlow), and
-# tfdp.compat, which applies nothing by itself.
-_WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput")
+# Submodules (with theirs) whose import does not apply tfdp.compat: the
+# launcher's and tfdp.goodput, which the launcher uses (they import no
+# TensorFlow), and tfdp.compat, which applies nothing by itself.
+_WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
+                   "tfdp._version", "tfdp.checkpoint.layout")
+# Packages whose own (lazy) __init__ does not apply it; their other
+# submodules do.
+_WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint",)
 
 if TYPE_CHECKING:
   # pylint: disable=g-import-not-at-top,g-bad-import-order
@@ -54,7 +58,7 @@ if TYPE_CHECKING:
 
 
 def _needs_compat(name):
-  if not name.startswith("tfdp."):
+  if not name.startswith("tfdp.") or name in _WITHOUT_COMPAT_EXACT:
     return False
   return not any(name == m or name.startswith(m + ".") for m in _WITHOUT_COMPAT)
 

@@ -17,8 +17,9 @@ from tfdp import cluster
 from tfdp import errors
 from tfdp import state as state_lib
 from tfdp.checkpoint import fs
+from tfdp.checkpoint import layout as layout_lib
 
-KERAS_FILE = "model.keras"
+KERAS_FILE = layout_lib.KERAS_FILENAME
 # Hugging Face's names: one file when the export fits one shard, else
 # model-0000K-of-0000N.safetensors plus the index.
 SAFETENSORS_FILE = "model.safetensors"

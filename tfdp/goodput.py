@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any, Mapping, Optional, Sequence
 
+from tfdp.checkpoint import layout
+
 # This module is imported by tfdp-launch, which never imports TensorFlow: TF
 # is imported only inside `write_scalars`, at the end of a worker's training.
 
@@ -19,8 +21,8 @@ ENV_HISTORY = "TFDP_GOODPUT_HISTORY"        # JSON of the earlier attempts
 ENV_RESTART_COUNT = "TFDP_RESTART_COUNT"    # the attempt number (procs sets it)
 
 # Name of the summary in the model directory, and the TensorBoard run of its scalars.
-SUMMARY_FILE = "goodput.json"
-SCALARS_DIR = os.path.join("logs", "goodput")
+SUMMARY_FILE = layout.GOODPUT_FILENAME
+SCALARS_DIR = os.path.join(layout.LOGS_DIRNAME, "goodput")
 
 # A record is rewritten at most this often by `Recorder.step`.
 WRITE_INTERVAL = 0.5
@@ -44,7 +46,7 @@ def read_json(path: Optional[str]) -> Any:
 
 def write_json_atomic(path: str, obj: Any) -> None:
   """Writes `obj` as JSON to `path`: a reader sees all of it or the old file (temp, rename)."""
-  tmp = f"{path}.tmp-{os.getpid()}"
+  tmp = layout.atomic_tmp_path(path)
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=1, sort_keys=True)
   os.replace(tmp, path)

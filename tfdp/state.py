@@ -16,6 +16,11 @@ ITERATIONS_KEY = "optimizer/iteration/.ATTRIBUTES/VARIABLE_VALUE"
 MUST_MATCH = ("global_batch_size", "dataset", "seed")
 
 
+def global_step(model: keras.Model) -> int:
+  """The global step of a compiled Keras model: its optimizer's updates so far (survives resumes)."""
+  return int(model.optimizer.iterations.numpy())
+
+
 def _tree(variables, strip_first=False):
   """A trackable tree mirroring the variables' Keras paths.
 

@@ -10,10 +10,8 @@ import keras
 import tensorflow as tf
 
 from tfdp import errors
-
-
-def _step(model) -> int:
-  return int(model.optimizer.iterations.numpy())
+from tfdp import state as state_lib
+from tfdp.checkpoint import policy
 
 
 @dataclasses.dataclass
@@ -78,7 +76,7 @@ class CheckpointTimer:
     if self._start is None:
       return
     seconds, self._start = time.perf_counter() - self._start, None
-    self._record(_step(model), seconds)
+    self._record(state_lib.global_step(model), seconds)
 
   def _record(self, step, seconds):
     if _last_saved_step(self.callback) == step and (
@@ -148,6 +146,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
           f"update_freq={update_freq!r}: pass 'epoch', 'batch' or a number of steps >= 1.")
     self.global_batch_size = global_batch_size
     self.timings = timings or Timings()
+    self._cadence = policy.Cadence(
+        *(() if self.update_freq == "epoch" else (policy.EveryNSteps(self.update_freq),)))
     self.first_step = None  # The step this process started writing at.
     self._started = set()  # Writers marked with SessionLog.START.
     self._mark = None  # (step, time, eval seconds) of the last throughput point.
@@ -189,7 +189,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
     del step
     if self.update_freq == "epoch":
       return
-    step = _step(self.model) + (1 if self._training else 0)
+    step = state_lib.global_step(self.model) + (1 if self._training else 0)
     super()._push_writer(writer, step)
 
   # --- training --------------------------------------------------------------
@@ -209,19 +209,20 @@ class TensorBoard(keras.callbacks.TensorBoard):
     if self.first_step is None:
       # Not in on_train_begin: a BackupAndRestore listed after this callback
       # restores there, and the first step must be the restored one.
-      self.first_step = _step(self.model)
+      self.first_step = state_lib.global_step(self.model)
       self._writer("train")  # Marks the file with the first step at once.
     if self._mark is None:
       self._mark = (self.first_step, time.perf_counter(), self.timings.eval_seconds)
+      self._cadence.start(self.first_step)
     super().on_train_batch_begin(batch, logs)
 
   def on_train_batch_end(self, batch, logs=None):
     # Keras's method, minus its scalars (written at its own batch count):
     # the train graph and the profiler's trace.
     super().on_train_batch_end(batch, None)
-    step = _step(self.model)
+    step = state_lib.global_step(self.model)
     self.write_saves()
-    if self.update_freq == "epoch" or step % self.update_freq:
+    if not self._cadence.due(step):
       return
     scalars = {}
     if isinstance(logs, dict):
@@ -237,10 +238,11 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
   def on_epoch_begin(self, epoch, logs=None):
     super().on_epoch_begin(epoch, logs)
-    self._epoch_mark = (_step(self.model), time.perf_counter(), self.timings.eval_seconds)
+    self._epoch_mark = (state_lib.global_step(self.model), time.perf_counter(),
+                        self.timings.eval_seconds)
 
   def on_epoch_end(self, epoch, logs=None):
-    step = _step(self.model)
+    step = state_lib.global_step(self.model)
     logs = dict(logs or {})
     train = {k: v for k, v in logs.items() if not k.startswith("val_")}
     val = {k[len("val_"):]: v for k, v in logs.items() if k.startswith("val_")}
@@ -355,7 +357,9 @@ class Evaluate(keras.callbacks.Callback):
     self.split = split
     self.history = []  # (step, metrics) of each evaluation.
     self._dataset = None
-    self._previous = None
+    self._cadence = policy.Cadence(
+        policy.EveryNSteps(every_n_steps),
+        *((policy.AtStep(train_steps),) if train_steps is not None else ()))
 
   @property
   def last(self) -> tuple[int, dict] | None:
@@ -363,18 +367,16 @@ class Evaluate(keras.callbacks.Callback):
     return self.history[-1] if self.history else None
 
   def on_train_begin(self, logs=None):
-    self._previous = _step(self.model)
+    self._cadence.start(state_lib.global_step(self.model))
 
   def on_train_batch_end(self, batch, logs=None):
-    step = _step(self.model)
-    previous, self._previous = self._previous, step
-    if (step // self.every_n_steps > previous // self.every_n_steps
-        or step == self.train_steps != previous):
+    step = state_lib.global_step(self.model)
+    if self._cadence.due(step):
       self.evaluate(step)
 
   def evaluate(self, step: int | None = None) -> dict:
     """Evaluates now; returns the `val_*` metrics (every worker must call it)."""
-    step = _step(self.model) if step is None else step
+    step = state_lib.global_step(self.model) if step is None else step
     if self._dataset is None:
       self._dataset = self.make_dataset()
     start = time.perf_counter()

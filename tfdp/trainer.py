@@ -14,13 +14,17 @@ from tfdp import cluster
 from tfdp import data
 from tfdp import datasets as datasets_lib
 from tfdp import errors
+from tfdp import state as state_lib
 from tfdp import export
 from tfdp import heartbeat
 from tfdp import optim
 from tfdp import preemption
+from tfdp import resume as resume_lib
 from tfdp import strategy as strategy_lib
 from tfdp import summaries
 from tfdp import training
+from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import retention
 
 
 @dataclasses.dataclass
@@ -72,12 +76,10 @@ class TrainConfig:
     """`keep_best` as (metric, mode, k), or None; raises ConfigError if malformed."""
     if not self.keep_best:
       return None
-    parts = self.keep_best.split(":")
-    if len(parts) != 3 or not parts[0] or parts[1] not in ("min", "max") or not (
-        parts[2].isdigit() and int(parts[2]) >= 1):
-      raise errors.ConfigError(
-          f"--keep_best={self.keep_best}: pass METRIC:min|max:K, e.g. val_loss:min:3.")
-    return parts[0], parts[1], int(parts[2])
+    try:
+      return tuple(retention.parse_keep_best(self.keep_best))
+    except errors.ConfigError as e:
+      raise errors.ConfigError(f"--{e}") from None
 
   def validate(self):
     """Raises ConfigError for values no run can use."""
@@ -270,11 +272,8 @@ def run(config):
 
   # The same resume path as a user's script: tfdp.callbacks.BackupAndRestore
   # restores, saves every N steps, on preemption and at the end.
-  backup = None
+  backup, resumed = None, resume_lib.Resume()
   if config.model_dir:
-    extra = {}
-    if config.keep_best:
-      extra["keep_best"] = config.keep_best_spec()
     backup = tfdp_callbacks.BackupAndRestore(
         config.model_dir, save_freq=config.checkpoint_every_steps or False,
         delete_checkpoint=False, save_before_preemption=True,
@@ -283,11 +282,11 @@ def run(config):
         async_save=config.async_checkpoint, max_to_keep=config.max_to_keep,
         max_shard_bytes=config.max_shard_bytes, save_at_end=True,
         local_checkpoint_dir=config.local_checkpoint_dir,
-        local_checkpoint_every_steps=config.local_checkpoint_every_steps, **extra)
-    backup.restore(model)
-  start_step = int(model.optimizer.iterations.numpy())
-  if backup is not None and backup.restored_step is not None and (
-      start_step >= config.train_steps):
+        local_checkpoint_every_steps=config.local_checkpoint_every_steps,
+        keep_best=config.keep_best_spec())
+    resumed = backup.restore(model)
+  start_step = resumed.step
+  if resumed.restored and start_step >= config.train_steps:
     path = backup.manager.latest_checkpoint
     backup.manager.close()
     _chief_says(chief, [f"tfdp-train: already complete at step {start_step}: {path}"
@@ -321,7 +320,7 @@ def run(config):
       # Chief only: each writer is an event file of its own, and two files of
       # the same steps overlap in TensorBoard.
       board = summaries.TensorBoard(
-          os.path.join(config.model_dir, "logs"), global_batch_size=config.global_batch_size,
+          layout_lib.Layout(config.model_dir).logs_dir, global_batch_size=config.global_batch_size,
           update_freq=config.summary_every_steps or max(1, steps_per_epoch // 4),
           timings=timings)
       if evaluator is not None:
@@ -346,7 +345,7 @@ def run(config):
   finally:
     if board is not None:
       board.flush()
-  step = int(model.optimizer.iterations.numpy())
+  step = state_lib.global_step(model)
   if timer is not None:
     timer.after_fit(step)
   train_seconds = time.perf_counter() - fit_start
@@ -361,7 +360,7 @@ def run(config):
     if chief:
       logging.info("Final checkpoint at step %d: %s", step, path)
     model_path = export.save_keras(
-        model, os.path.join(config.model_dir, export.KERAS_FILE), strategy=strategy)
+        model, layout_lib.Layout(config.model_dir).keras_path, strategy=strategy)
   last = histories[-1].history if histories else {}
   summary = summaries.RunSummary(
       start_step=start_step, step=step, wall_seconds=time.perf_counter() - wall_start,

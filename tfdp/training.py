@@ -6,8 +6,9 @@ from typing import Any, Callable, Sequence
 
 import keras
 
-from tfdp import callbacks as callbacks_lib
+from tfdp import backup as backup_lib
 from tfdp import errors
+from tfdp import state as state_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +85,15 @@ def fit(model: keras.Model, make_dataset: Callable[[int], Any], *, steps_per_epo
   if train_steps is None:
     train_steps = epochs * steps_per_epoch
   callbacks = list(callbacks or [])
-  backups = [c for c in callbacks if isinstance(c, callbacks_lib.BackupAndRestore)]
+  backups = [c for c in callbacks if isinstance(c, backup_lib.BackupAndRestore)]
   histories = []
   with contextlib.ExitStack() as stack:
     for backup in backups:
-      stack.enter_context(backup.spanning_fit_calls(model))
+      stack.enter_context(backup.spanning_fit_calls(model, steps_per_epoch))
     if start_step is None:
       for backup in backups:
         backup.restore(model)
-      start_step = int(model.optimizer.iterations.numpy())
+      start_step = state_lib.global_step(model)
     for seg in plan(start_step, train_steps, steps_per_epoch):
       # A restore by Keras's own BackupAndRestore leaves this set; it would
       # override the segment's first epoch.

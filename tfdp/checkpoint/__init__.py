@@ -1,8 +1,29 @@
-"""Sharded, atomic, verified, optionally asynchronous checkpoints across workers."""
+"""Sharded, atomic, verified, optionally asynchronous checkpoints across workers.
 
-from tfdp.checkpoint.manager import CheckpointManager
-from tfdp.checkpoint.manifest import verify
-from tfdp.checkpoint.restore import load_per_worker
-from tfdp.checkpoint.retention import KeepBest
+Lazy, as the `tfdp` package: `tfdp.checkpoint.layout` (every file name, no
+TensorFlow) can be imported by the launcher; the public names load on use.
+"""
 
-__all__ = ["CheckpointManager", "KeepBest", "load_per_worker", "verify"]
+import importlib
+
+# Public name -> the module that defines it.
+_PUBLIC = {
+    "CheckpointManager": "tfdp.checkpoint.manager",
+    "KeepBest": "tfdp.checkpoint.retention",
+    "load_per_worker": "tfdp.checkpoint.restore",
+    "verify": "tfdp.checkpoint.manifest",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+  if name not in _PUBLIC:
+    raise AttributeError(f"module 'tfdp.checkpoint' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_PUBLIC[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_PUBLIC))

@@ -1,21 +1,49 @@
-"""What a checkpoint directory holds: the managed checkpoints (tfdp's and TF's own) and TF's state file."""
+"""What a checkpoint directory holds: its checkpoint files, the managed checkpoints (tfdp's and TF's own), TF's state file."""
 
 import dataclasses
 import os
+import threading
+import time
 
 from absl import logging
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 
+from tfdp import errors
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import retention
 
 
+def scan(layout: layout_lib.Layout) -> dict[str, set[str]]:
+  """{base: kinds present} of every checkpoint file in `layout`'s directory."""
+  out = {}
+  for fname in fs.listdir(layout.directory):
+    parsed = layout.parse(fname)
+    if parsed is not None:
+      out.setdefault(parsed.base, set()).add(parsed.kind)
+  return out
+
+
+def committed(layout: layout_lib.Layout) -> list[str]:
+  """Prefixes of the checkpoints with a manifest, oldest (lowest number) first."""
+  bases = [b for b, kinds in scan(layout).items() if "manifest" in kinds]
+  return [os.path.join(layout.directory, b)
+          for b in sorted(bases, key=lambda b: int(b.rsplit("-", 1)[1]))]
+
+
+def files_of(layout: layout_lib.Layout, prefix: str) -> list[str]:
+  """Paths of the index and data files of checkpoint `prefix`."""
+  base = os.path.basename(prefix)
+  return [os.path.join(layout.directory, f) for f in fs.listdir(layout.directory)
+          if (p := layout.parse(f)) is not None and p.base == base
+          and p.kind in ("index", "data")]
+
+
 @dataclasses.dataclass
 class Catalog:
-  """The checkpoints of one directory as tf.train.CheckpointManager sees them.
+  """The checkpoints of one directory as tf.train.CheckpointManager sees them (thread-safe).
 
   Attributes:
     managed: the managed checkpoints, oldest first (what `checkpoints` lists).
@@ -27,19 +55,80 @@ class Catalog:
   latest: str | None
   last_preserved: float
   manifests: dict[str, manifest_lib.Manifest]
+  _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
+                                            compare=False)
+
+  def prefixes(self) -> list[str]:
+    """Prefixes of the managed checkpoints, oldest first."""
+    with self._lock:
+      return [e.prefix for e in self.managed]
+
+  def newest(self) -> str | None:
+    with self._lock:
+      return self.latest
 
   def candidates(self) -> list[str]:
     """Prefixes to restore from, newest first."""
-    prefixes = {e.prefix for e in self.managed}
-    if self.latest is not None:
-      prefixes.add(self.latest)
+    with self._lock:
+      prefixes = {e.prefix for e in self.managed}
+      if self.latest is not None:
+        prefixes.add(self.latest)
     return sorted(prefixes, key=layout_lib.number_of, reverse=True)
 
-  def drop(self, prefix: str) -> None:
-    self.managed = [e for e in self.managed if e.prefix != prefix]
-    self.manifests.pop(os.path.basename(prefix), None)
-    if self.latest == prefix:
-      self.latest = self.managed[-1].prefix if self.managed else None
+  def manifest(self, prefix: str) -> manifest_lib.Manifest | None:
+    """The manifest of `prefix` (read from disk when not known yet), or None (TF's own)."""
+    with self._lock:
+      man = self.manifests.get(os.path.basename(prefix))
+    return man if man is not None else manifest_lib.read_manifest(prefix)
+
+  def drop(self, prefix: str):
+    """Takes `prefix` out; returns the newest left (or None), or False when it was not a candidate."""
+    if prefix not in self.candidates():
+      return False
+    with self._lock:
+      self.managed = [e for e in self.managed if e.prefix != prefix]
+      self.manifests.pop(os.path.basename(prefix), None)
+      if self.latest == prefix:
+        self.latest = self.managed[-1].prefix if self.managed else None
+      return self.latest
+
+  def check_new(self, prefix: str) -> None:
+    """Raises CheckpointError unless a new checkpoint may be committed at `prefix`."""
+    if fs.exists(layout_lib.manifest_path(prefix)):
+      raise errors.CheckpointError(
+          f"Checkpoint {prefix} already exists; it is not overwritten. Save "
+          "under another number, or train into a new directory.")
+    latest = self.newest()
+    if latest is not None and layout_lib.number_of(prefix) < layout_lib.number_of(latest):
+      # Retention and latest_checkpoint go by number: a lower one would be
+      # dropped as the oldest at once, and a restart would resume the other.
+      raise errors.CheckpointError(
+          f"Checkpoint {prefix} would be older than {os.path.basename(latest)}, "
+          f"already in {os.path.dirname(prefix)}. Restore the newest checkpoint "
+          "before training on (restore_or_initialize()), train into a new "
+          "directory, or delete the newer checkpoints to roll back.")
+
+  def plan(self, prefix: str, number: int, metrics: dict, keep: retention.KeepPolicy,
+           hours: retention.KeepEveryNHours) -> retention.Sweep:
+    """What to keep once checkpoint `prefix` commits: decided before it is written."""
+    new = retention.Entry(prefix, number, time.time(), metrics)
+    with self._lock:
+      entries = [e for e in self.managed if e.prefix != prefix] + [new]
+      last_preserved = self.last_preserved
+    return retention.sweep(entries, keep, hours, last_preserved)
+
+  def commit(self, man: manifest_lib.Manifest, prefix: str, sweep: retention.Sweep) -> None:
+    """Records committed checkpoint `prefix` and the retention decided for it (`plan`)."""
+    kept = set(man.kept or [man.prefix])
+    new = retention.Entry(prefix, man.checkpoint_number, man.time, man.metrics)
+    managed = [new if e.prefix == prefix else e for e in sweep.kept]
+    with self._lock:
+      self.managed = [e for e in managed if os.path.basename(e.prefix) in kept]
+      self.latest = prefix
+      self.last_preserved = sweep.last_preserved
+      self.manifests[man.prefix] = man
+      for e in sweep.preserved + sweep.deleted:
+        self.manifests.pop(os.path.basename(e.prefix), None)
 
 
 def _state(directory):
@@ -60,7 +149,7 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
   newer too; with no state file, every tfdp checkpoint is. A listed one
   without a manifest is TF's own: restored and retained like the others.
   """
-  found = layout.scan()
+  found = scan(layout)
   usable = {b for b, kinds in found.items()
             if "manifest" in kinds or ("index" in kinds and "corrupt" not in kinds)}
   manifests = {}
@@ -81,7 +170,7 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
     stamps = list(state.all_model_checkpoint_timestamps) or [last_preserved] * len(paths)
     for path, stamp in zip(paths, stamps):
       base = os.path.basename(path)
-      if base in usable and layout.parse(base + ".index") is not None:
+      if base in usable and layout.is_checkpoint(base):
         stamp = manifests[base].time if base in manifests else min(stamp, now)
         if stamp > last_preserved:
           entries[base] = stamp
@@ -89,7 +178,7 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
       if base not in entries and man.time > last_preserved:
         entries[base] = man.time
     base = os.path.basename(state.model_checkpoint_path or "")
-    if base in usable and layout.parse(base + ".index") is not None:
+    if base in usable and layout.is_checkpoint(base):
       latest = os.path.join(layout.directory, base)
   managed = sorted(
       (retention.Entry(os.path.join(layout.directory, b), layout_lib.number_of(b), t,
@@ -102,12 +191,15 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
 
 def write_state(layout: layout_lib.Layout, catalog: Catalog) -> None:
   """Writes TF's `checkpoint` file, so tf.train.latest_checkpoint and TF's manager agree."""
-  if catalog.latest is None:
+  with catalog._lock:  # pylint: disable=protected-access
+    latest, managed = catalog.latest, list(catalog.managed)
+    last_preserved = catalog.last_preserved
+  if latest is None:
     if fs.exists(layout.state_path):
       fs.remove(layout.state_path)
     return
   checkpoint_management.update_checkpoint_state_internal(
-      save_dir=layout.directory, model_checkpoint_path=catalog.latest,
-      all_model_checkpoint_paths=[e.prefix for e in catalog.managed],
-      all_model_checkpoint_timestamps=[e.time for e in catalog.managed],
-      last_preserved_timestamp=catalog.last_preserved, save_relative_paths=True)
+      save_dir=layout.directory, model_checkpoint_path=latest,
+      all_model_checkpoint_paths=[e.prefix for e in managed],
+      all_model_checkpoint_timestamps=[e.time for e in managed],
+      last_preserved_timestamp=last_preserved, save_relative_paths=True)

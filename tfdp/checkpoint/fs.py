@@ -5,6 +5,8 @@ import os
 
 import tensorflow as tf
 
+from tfdp.checkpoint import layout
+
 # Every function takes a local path or any tf.io.gfile URL. Object stores
 # (gs://, s3://) make an object durable when it is closed and have no
 # directories to fsync; their rename is a copy, which is why the commit point
@@ -49,7 +51,7 @@ def fsync_dir(path: str) -> None:
 
 def write_atomic(path: str, text: str) -> None:
   """Writes `text` to `path` so readers see all of it or nothing (temp, fsync, rename)."""
-  tmp = f"{path}.tmp-{os.getpid()}"
+  tmp = layout.atomic_tmp_path(path)
   with tf.io.gfile.GFile(tmp, "w") as f:
     f.write(text)
   fsync_file(tmp)

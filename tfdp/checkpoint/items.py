@@ -8,6 +8,7 @@ from tensorflow.python.training.saving import saveable_object
 
 from tfdp import errors
 from tfdp.checkpoint.planner import Item
+from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint.planner import OBJECT_GRAPH_KEY
 
 
@@ -111,6 +112,36 @@ class CachedGather:
     if self._keys is not None and [k[:2] for k in self._keys] != [
         (it.key, it.slice_spec) for it in items]:
       self._fn = self._keys = None
+
+
+class PerWorker:
+  """One worker's per-worker state: name -> trackable, saved under `_tfdp_per_worker/<worker>/`.
+
+  Args:
+    objects: name -> trackable whose values differ between workers.
+    worker: this worker's index.
+  """
+
+  def __init__(self, objects: dict | None, worker: int):
+    self.objects = dict(objects or {})
+    self.worker = worker
+    self.checkpoint = tf.train.Checkpoint(**self.objects) if self.objects else None
+
+  @property
+  def keys(self) -> list[str]:
+    return sorted(self.objects)
+
+  @property
+  def required(self) -> bool:
+    """Whether a copy's per-worker state must be restored exactly (each object's `tfdp_required`)."""
+    return any(getattr(obj, "tfdp_required", True) for obj in self.objects.values())
+
+  def items(self) -> list[Item]:
+    """The state as Items under this worker's keys ([] when there is none)."""
+    if self.checkpoint is None:
+      return []
+    return gather(self.checkpoint, layout_lib.per_worker_prefix(self.worker),
+                  with_object_graph=False)
 
 
 def snapshot(items: list[Item]) -> list[Item]:

@@ -1,26 +1,40 @@
-"""The names of every file in a checkpoint directory (one owner of the on-disk layout)."""
+"""Every name in a checkpoint directory and in a local tier (one owner of the on-disk layout).
+
+Names only: it reads no directory (tfdp.checkpoint.catalog lists what is
+there) and imports no TensorFlow, so the launcher and tfdp.goodput use it.
+"""
 
 import dataclasses
+import hashlib
 import os
 import re
-
-from tfdp.checkpoint import fs
+import tempfile
 
 MANIFEST_SUFFIX = ".manifest.json"
 # Appended to the manifest of a checkpoint found corrupt at restore.
 CORRUPT_SUFFIX = ".corrupt"
+# Appended (with the writer's pid) to a file being written atomically.
+ATOMIC_TMP_INFIX = ".tmp-"
 TMP_DIRNAME = ".tfdp-tmp"
 LEASE_FILENAME = ".tfdp-lease.json"
-# The run token local-tier checkpoints must match (tfdp.checkpoint.tiers).
+# The run token local-tier checkpoints must match (tfdp.checkpoint.local).
 TIERS_FILENAME = ".tfdp-tiers.json"
 # TF's own state file (tf.train.get_checkpoint_state reads it).
 STATE_FILENAME = "checkpoint"
+# What a training run keeps next to its checkpoints.
+LOGS_DIRNAME = "logs"
+GOODPUT_FILENAME = "goodput.json"
+KERAS_FILENAME = "model.keras"
 # Root of the keys of per-worker state: `_tfdp_per_worker/<worker>/<key>`.
 PER_WORKER_ROOT = "_tfdp_per_worker"
+# The local tier: RAM-backed where the host has it (Linux's tmpfs), else the
+# temp dir; one directory per persistent directory, one folder per worker.
+DEFAULT_LOCAL_ROOT = "/dev/shm/tfdp-local"
+_WORKER_DIR = "worker-{}"
 
 KINDS = ("index", "data", "manifest", "manifest_tmp", "corrupt")
-_KIND_RE = (r"(?P<kind>index|data-\d+-of-\d+|manifest\.json|"
-            r"manifest\.json\.tmp-\d+|manifest\.json\.corrupt)")
+_KIND_RE = (r"(?P<kind>index|data-\d+-of-\d+|manifest\.json|manifest\.json"
+            + re.escape(ATOMIC_TMP_INFIX) + r"\d+|manifest\.json\.corrupt)")
 
 
 def per_worker_prefix(worker: int) -> str:
@@ -44,9 +58,27 @@ def corrupt_path(prefix: str) -> str:
   return manifest_path(prefix) + CORRUPT_SUFFIX
 
 
+def atomic_tmp_path(path: str) -> str:
+  """Where `path` is written before it is renamed into place (one per process)."""
+  return f"{path}{ATOMIC_TMP_INFIX}{os.getpid()}"
+
+
 def number_of(prefix: str) -> int:
   """The checkpoint number of a prefix such as `/dir/ckpt-7`."""
   return int(prefix.rsplit("-", 1)[1])
+
+
+def default_local_root(directory: str) -> str:
+  """The local tier of persistent `directory` when none is given: under /dev/shm, named by its path."""
+  root = DEFAULT_LOCAL_ROOT if os.path.isdir("/dev/shm") else os.path.join(
+      tempfile.gettempdir(), "tfdp-local")
+  name = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:16]
+  return os.path.join(root, name)
+
+
+def local_worker_dir(root: str, worker: int) -> str:
+  """Worker `worker`'s folder of the local tier at `root` (workers of one host share the root)."""
+  return os.path.join(os.fspath(root).rstrip("/"), _WORKER_DIR.format(worker))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +124,28 @@ class Layout:
   def tiers_path(self) -> str:
     return os.path.join(self.directory, TIERS_FILENAME)
 
-  def committed(self) -> list[str]:
-    """Prefixes of the checkpoints with a manifest, oldest (lowest number) first."""
-    found = self.scan()
-    bases = [b for b, kinds in found.items() if "manifest" in kinds]
-    return [os.path.join(self.directory, b)
-            for b in sorted(bases, key=lambda b: int(b.rsplit("-", 1)[1]))]
-
   @property
   def state_path(self) -> str:
     return os.path.join(self.directory, STATE_FILENAME)
+
+  @property
+  def logs_dir(self) -> str:
+    """TensorBoard logs of the run (tfdp-train's, goodput's under `goodput/`)."""
+    return os.path.join(self.directory, LOGS_DIRNAME)
+
+  @property
+  def goodput_path(self) -> str:
+    return os.path.join(self.directory, GOODPUT_FILENAME)
+
+  @property
+  def keras_path(self) -> str:
+    """The `.keras` file tfdp-train writes at the end of a run."""
+    return os.path.join(self.directory, KERAS_FILENAME)
+
+  def local(self, root: str | None, worker: int) -> "Layout":
+    """The layout of worker `worker`'s local tier at `root` (None: the default root)."""
+    root = root if root else default_local_root(self.directory)
+    return Layout(local_worker_dir(root, worker), self.name)
 
   @staticmethod
   def marker_path(tmp_dir: str, worker: int) -> str:
@@ -124,27 +168,15 @@ class Layout:
     kind = next(k for k, p in _KIND_PATTERNS.items() if p.fullmatch(m.group("kind")))
     return FileName(m.group("base"), int(m.group("num")), kind)
 
-  def scan(self) -> dict[str, set[str]]:
-    """{base: kinds present} of every checkpoint file in the directory."""
-    out = {}
-    for fname in fs.listdir(self.directory):
-      parsed = self.parse(fname)
-      if parsed is not None:
-        out.setdefault(parsed.base, set()).add(parsed.kind)
-    return out
-
-  def files_of(self, prefix: str) -> list[str]:
-    """Paths of the index and data files of checkpoint `prefix`."""
-    base = os.path.basename(prefix)
-    return [os.path.join(self.directory, f) for f in fs.listdir(self.directory)
-            if (p := self.parse(f)) is not None and p.base == base
-            and p.kind in ("index", "data")]
+  def is_checkpoint(self, base: str) -> bool:
+    """Whether basename `base` (e.g. "ckpt-7") names a checkpoint of this layout."""
+    return self.parse(os.path.basename(index_path(base))) is not None
 
 
 _KIND_PATTERNS = {
     "index": re.compile(r"index"),
     "data": re.compile(r"data-\d+-of-\d+"),
     "manifest": re.compile(r"manifest\.json"),
-    "manifest_tmp": re.compile(r"manifest\.json\.tmp-\d+"),
+    "manifest_tmp": re.compile(r"manifest\.json" + re.escape(ATOMIC_TMP_INFIX) + r"\d+"),
     "corrupt": re.compile(r"manifest\.json\.corrupt"),
 }

@@ -156,3 +156,34 @@ class Renewer:
     self._stop.set()
     if self._thread is not threading.current_thread():
       self._thread.join()
+
+
+class Holder:
+  """The chief's hold on a directory: the lease taken before any write, renewed, released by `release()`.
+
+  Args:
+    path: the lease file.
+    session: this job's session.
+    directory: the checkpoint directory (for messages).
+    lease: a lease already taken (by `tfdp.checkpoint.session.start`), or None.
+  """
+
+  def __init__(self, path: str, session: str, directory: str, lease: Lease | None = None):
+    self._path, self._session, self._directory = path, session, directory
+    self._renewer = Renewer(path, lease, self) if lease is not None else None
+
+  @property
+  def held(self) -> bool:
+    return self._renewer is not None
+
+  def ensure(self) -> None:
+    """Takes the lease again when released (a save after close())."""
+    if self._renewer is None:
+      lease = acquire(self._path, self._session, self._directory)
+      self._renewer = Renewer(self._path, lease, self)
+
+  def release(self) -> None:
+    if self._renewer is not None:
+      self._renewer.stop()
+      self._renewer = None
+      release(self._path, self._session)

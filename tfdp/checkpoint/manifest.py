@@ -15,6 +15,7 @@ import zlib
 
 import tensorflow as tf
 
+from tfdp import _version
 from tfdp import errors
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import layout
@@ -56,6 +57,18 @@ class SaveMeta:
   # A local checkpoint: whether its per-worker state must be restored exactly
   # (False: it can be recovered from peers without it).
   per_worker_required: bool = True
+
+
+  @classmethod
+  def new(cls, number: int, step: int, metrics: dict | None, global_batch_size: int | None,
+          per_worker_keys: list[str], **extra) -> "SaveMeta":
+    """The SaveMeta of a save now, with the versions of tfdp, TensorFlow and Keras."""
+    import keras  # pylint: disable=g-import-not-at-top
+    return cls(checkpoint_number=number, step=step,
+               metrics={str(k): float(v) for k, v in (metrics or {}).items()},
+               global_batch_size=global_batch_size, per_worker_keys=per_worker_keys,
+               versions={"tfdp": _version.__version__, "tensorflow": tf.__version__,
+                         "keras": keras.__version__}, **extra)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""When to save: small, pure save-decision policies (no I/O), combined by AnyOf."""
+"""When to act at a step (save, save locally, evaluate, summarize): small pure policies, combined by AnyOf, asked through a Cadence."""
 
 import dataclasses
 from typing import Protocol, Sequence
@@ -46,6 +46,23 @@ class EveryNSteps:
     if ctx.previous_step is None:
       return ctx.step % self.n == 0
     return ctx.step // self.n > ctx.previous_step // self.n
+
+
+@dataclasses.dataclass(frozen=True)
+class AtStep:
+  """Saves when the global step reaches or crosses `n` (e.g. the last step of training)."""
+  n: int
+
+  def should_save(self, ctx: SaveContext) -> bool:
+    return ctx.step >= self.n and (ctx.previous_step is None or ctx.previous_step < self.n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Always:
+  """Saves whenever asked (an explicit save; still never twice at one step)."""
+
+  def should_save(self, ctx: SaveContext) -> bool:
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,3 +126,44 @@ def from_save_freq(save_freq) -> AnyOf:
     raise errors.ConfigError(
         f"Unrecognized save_freq: {save_freq!r}; pass 'epoch' or a positive int of steps.")
   return AnyOf((first, OnPreemption()))
+
+
+class Cadence:
+  """Whether to act at a step: a decision policy and the step of the previous decision point.
+
+  The one place that turns "every N steps", "every epoch", "at the end",
+  "on preemption" into yes or no at a step. Persistent and local saves, a
+  manager's `save()` with a step counter, evaluation and TensorBoard
+  summaries each ask their own. A step that moves by more than one
+  (`steps_per_execution > 1`) still hits every multiple it crosses, and
+  nothing happens twice at one step (with `last_saved_step`).
+
+  Args:
+    *policies: what makes it due (any of them); none: never due.
+  """
+
+  def __init__(self, *policies: SaveDecisionPolicy):
+    self.decision = AnyOf(tuple(policies))
+    self.previous = None
+
+  def start(self, step: int | None) -> None:
+    """The step training (re)starts at: the next decision counts crossings from it."""
+    self.previous = step
+
+  def due(self, step: int, *, last_saved_step: int | None = None, advance: bool = True,
+          **when) -> bool:
+    """Whether to act at `step`.
+
+    Args:
+      step: the global step now.
+      last_saved_step: the step of the newest save, so none is made twice.
+      advance: this is the step's decision point (the end of a batch): the
+        next call counts crossings from `step`. Epoch ends, the end of
+        training and preemption ask without advancing.
+      **when: `epoch_end`, `train_end`, `preempted` (see SaveContext).
+    """
+    ctx = SaveContext(step=step, previous_step=self.previous,
+                      last_saved_step=last_saved_step, **when)
+    if advance:
+      self.previous = step
+    return self.decision.should_save(ctx)

@@ -5,8 +5,10 @@ import tensorflow as tf
 from tensorflow.python.trackable import trackable_utils
 
 from tfdp import errors
+from tfdp.checkpoint import catalog as catalog_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint import storage
 
 # What TF raises when a checkpoint's bytes are missing, short or wrong.
 _CORRUPT = (tf.errors.DataLossError, tf.errors.OutOfRangeError,
@@ -101,3 +103,112 @@ def restore_per_worker(per_worker_ckpt: tf.train.Checkpoint, prefix: str,
         "worker %d; keeping its initial values. Use "
         "tfdp.checkpoint.load_per_worker() to reshard it.", prefix, world,
         missing, worker)
+
+
+class Restorer:
+  """Restores from one checkpoint directory: intact candidates, the verified read, per-worker state, set aside.
+
+  Args:
+    checkpoint: the `tf.train.Checkpoint` to restore into.
+    layout: the directory's layout.
+    catalog: the directory's `tfdp.checkpoint.catalog.Catalog`.
+    me: this worker (`tfdp.cluster.Worker`).
+    per_worker: a `tf.train.Checkpoint` of this worker's per-worker state, or None.
+    verify_sizes: check every file's size before a restore reads it.
+    lease: the chief's `tfdp.checkpoint.lease.Holder`: it holds the lease
+      before it sets a checkpoint aside.
+  """
+
+  def __init__(self, checkpoint: tf.train.Checkpoint, layout, catalog, me,
+               per_worker: tf.train.Checkpoint | None, verify_sizes: bool, lease):
+    self._checkpoint = checkpoint
+    self._layout = layout
+    self._catalog = catalog
+    self._me = me
+    self._per_worker = per_worker
+    self._verify = verify_sizes
+    self._lease = lease
+
+  def candidates(self):
+    """Yields (prefix, manifest) of the checkpoints, newest first, whose files are all there.
+
+    A checkpoint with a missing or short file is set aside, with a warning.
+    """
+    for prefix in self._catalog.candidates():
+      man = self._catalog.manifest(prefix)
+      if self._verify:
+        try:
+          check_sizes(prefix, man)
+        except errors.CorruptCheckpointError as e:
+          logging.warning("tfdp: Skipping a corrupt checkpoint: %s", self.set_aside(prefix, e))
+          continue
+      yield prefix, man
+
+  def newest_step(self) -> int | None:
+    """The step of the newest intact checkpoint, or None."""
+    for prefix, man in self.candidates():
+      return man.step if man is not None else layout_lib.number_of(prefix)
+    return None
+
+  def restore(self, prefix: str):
+    """Verifies and restores `prefix` and this worker's per-worker state.
+
+    Returns:
+      (TF's load status, the manifest or None for TF's own checkpoint).
+
+    Raises:
+      CorruptCheckpointError: a file is missing, truncated or corrupt (the
+        checkpoint is then set aside).
+    """
+    man = self._catalog.manifest(prefix)
+    try:
+      if self._verify:
+        check_sizes(prefix, man)
+      status = restore_verified(self._checkpoint, prefix, man)
+    except errors.CorruptCheckpointError as e:
+      raise self.set_aside(prefix, e) from e
+    self.restore_per_worker(prefix, man)
+    return status, man
+
+  def restore_per_worker(self, prefix: str, man) -> None:
+    """This worker's own per-worker state from `prefix` (nothing when there is none)."""
+    if self._per_worker is not None:
+      restore_per_worker(self._per_worker, prefix, self._me.index, man)
+
+  def newest_intact(self, before_restore=None) -> tuple[str, object] | None:
+    """Restores the newest intact checkpoint; returns (prefix, manifest), or None.
+
+    Args:
+      before_restore: optional `fn(prefix)` called before each restore; its
+        exceptions propagate.
+    """
+    for prefix, man in self.candidates():
+      try:
+        if before_restore is not None:
+          before_restore(prefix)
+        self.restore(prefix)
+        return prefix, man
+      except errors.CorruptCheckpointError as e:
+        logging.warning("tfdp: Skipping a corrupt checkpoint: %s", e)
+    return None
+
+  def set_aside(self, prefix: str, error: Exception) -> Exception:
+    """Takes corrupt checkpoint `prefix` out of the managed ones; returns the error to raise.
+
+    Its manifest becomes `<prefix>.manifest.json.corrupt` (a marker when it
+    has none), so a restart does not try it again and training can save past
+    its number; its data files go with the next manager's cleanup.
+    """
+    latest = self._catalog.drop(prefix)
+    if latest is False:
+      return error
+    if self._me.is_chief:
+      try:
+        self._lease.ensure()
+        storage.set_aside(prefix, str(error))
+        catalog_lib.write_state(self._layout, self._catalog)
+      except tf.errors.OpError as e:
+        logging.warning("tfdp: could not set aside %s: %s", prefix, e)
+    return errors.CorruptCheckpointError(
+        f"{error} It is no longer a committed checkpoint (set aside as "
+        f"{layout_lib.corrupt_path(prefix)}); the newest intact one is {latest}.")

@@ -59,13 +59,24 @@ class KeepBest:
 
 
 def parse_keep_best(best) -> KeepBest:
-  """Validates `keep_best` ((metric, mode, k) or a KeepBest) and returns it as a KeepBest."""
+  """`keep_best` as a KeepBest: (metric, mode, k), a KeepBest, or the string "metric:mode:k".
+
+  Raises:
+    ConfigError: anything else, e.g. a mode other than min/max or k < 1.
+  """
+  if isinstance(best, str):
+    parts = best.split(":")
+    if len(parts) != 3 or not parts[0] or parts[1] not in ("min", "max") or not (
+        parts[2].isdigit() and int(parts[2]) >= 1):
+      raise errors.ConfigError(
+          f"keep_best={best!r}: pass METRIC:min|max:K, e.g. val_loss:min:3.")
+    return KeepBest(parts[0], parts[1], int(parts[2]))
   try:
     metric, mode, k = best
   except (TypeError, ValueError):
     raise errors.ConfigError(
         f"keep_best={best!r}: pass (metric, 'min'|'max', k), e.g. "
-        "('val_loss', 'min', 3).") from None
+        "('val_loss', 'min', 3), or 'val_loss:min:3'.") from None
   return KeepBest(str(metric), mode, k)
 
 

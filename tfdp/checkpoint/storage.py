@@ -10,6 +10,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_io_ops
 
 from tfdp import errors
+from tfdp.checkpoint import catalog
 from tfdp.checkpoint import faults
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import layout as layout_lib
@@ -149,7 +150,7 @@ def _wait_for_markers(job):
 def _commit(job):
   markers = _wait_for_markers(job)
   # Leftovers of an earlier failed attempt at the same number.
-  for path in job.layout.files_of(job.prefix):
+  for path in catalog.files_of(job.layout, job.prefix):
     fs.remove(path)
   shard_prefixes, records = [], []
   for m in markers:
@@ -243,7 +244,7 @@ def cleanup(layout: layout_lib.Layout, session: str | None = None) -> None:
     torn.add(layout.tmp_base(sub))
     logging.info("tfdp: removing %s (left by a save that did not commit)", sub)
     fs.rmtree(os.path.join(layout.tmp_root, sub))
-  found = layout.scan()
+  found = catalog.scan(layout)
   for fname in fs.listdir(layout.directory):
     parsed = layout.parse(fname)
     if parsed is None:
@@ -262,7 +263,7 @@ def delete(layout: layout_lib.Layout, prefix: str) -> None:
     path = layout_lib.manifest_path(prefix)
     if fs.exists(path):
       fs.remove(path)
-    for path in layout.files_of(prefix):
+    for path in catalog.files_of(layout, prefix):
       fs.remove(path)
   except tf.errors.OpError as e:
     logging.warning("tfdp: could not delete old checkpoint %s: %s", prefix, e)
@@ -275,3 +276,9 @@ def set_aside(prefix: str, error: str) -> None:
     fs.rename(path, aside)
   else:
     fs.write_json_atomic(aside, {"error": error, "time": time.time()})
+
+
+def remove_directory(layout: layout_lib.Layout) -> None:
+  """Deletes the checkpoint directory and everything in it (nothing when it is gone)."""
+  if fs.exists(layout.directory):
+    fs.rmtree(layout.directory)

@@ -30,9 +30,10 @@ def _human(n):
 
 def _checkpoints(directory):
   """(prefix, manifest or None) of every checkpoint in `directory`, by number."""
+  from tfdp.checkpoint import catalog  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint import layout as layout_lib  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  found = layout_lib.Layout(directory, None).scan()
+  found = catalog.scan(layout_lib.Layout(directory, None))
   prefixes = [os.path.join(directory, base) for base, kinds in found.items()
               if kinds & {"index", "manifest"}]
   return [(p, manifest_lib.read_manifest(p))
