@@ -264,7 +264,7 @@ def test_untested_versions_apply_only_fixes_that_still_fit(monkeypatch):
   monkeypatch.setattr(compat, "TESTED_KERAS", "0.0.")
   monkeypatch.setattr(compat, "_warned_versions", False)
   changed = dataclasses.replace(compat.fixes()["reduce_mean_axis"],
-                                looks_as_expected=lambda: False)
+                                probe=lambda: ["reduce_per_replica changed"])
   monkeypatch.setitem(compat._REGISTRY, "reduce_mean_axis", changed)  # pylint: disable=protected-access
   compat.revert()
   try:
