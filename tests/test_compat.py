@@ -19,27 +19,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "compat_worker.py")
 
 # For each fix: the worker part that needs it and what goes wrong without it
-# (an error in the output, or None when the workers end with different weights).
+# (an error, or None when the workers end with different weights). The
+# worker runs them in this order: probe_spe's error, raised inside a step
+# function, may leave the collectives unusable, so it comes last.
 PROBES = {
+    "non_trainable_mean_aggregation": ("probe_bn", None),
     "symbolic_build_batch": (
         "probe_fit", "Attempt to convert a value (PerReplica"),
     "reduce_mean_axis": (
         "probe_fit", "Invalid reduction dimension 0 for input with 0 dimensions"),
     "steps_per_execution_inline": (
         "probe_spe", "You must feed a value for placeholder tensor"),
-    "non_trainable_mean_aggregation": ("probe_bn", None),
 }
 
 
-def _run_workers(out_dir, parts, disable=None):
+def _run_workers(out_dir, parts):
   """Runs the worker on 2 local workers; returns (exit code, output, results)."""
   env = dict(os.environ)
   env.pop(compat.DISABLE_ENV, None)
-  if disable:
-    env[compat.DISABLE_ENV] = disable
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   buf = io.StringIO()
-  rc = launch.launch([sys.executable, WORKER, str(out_dir), parts],
+  rc = launch.launch([sys.executable, WORKER, str(out_dir), ",".join(parts)],
                      num_workers=2, env=env, out=buf, grace_seconds=5)
   output = buf.getvalue()
   results = [
@@ -57,13 +57,23 @@ def _assert_same(a, b, prefix):
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-  """One 2-worker run with every fix on: the seq and multi parts."""
-  out_dir = tmp_path_factory.mktemp("compat_full")
-  rc, output, results = _run_workers(out_dir, "seq,multi")
+def worker_run(tmp_path_factory):
+  """The one 2-worker launch of this file: every part, fixes on, then each probe with its fix off.
+
+  Returns:
+    (output, [worker 0's results, worker 1's]).
+  """
+  out_dir = tmp_path_factory.mktemp("compat")
+  parts = ["seq", "multi", "verbose"] + [f"{part}:{fix}" for fix, (part, _) in PROBES.items()]
+  rc, output, results = _run_workers(out_dir, parts)
   assert rc == 0, output[-5000:]
   assert len(results) == 2, output[-5000:]
-  return results
+  return output, results
+
+
+@pytest.fixture(scope="module")
+def full_run(worker_run):
+  return worker_run[1]
 
 
 def test_fit_identical_on_workers_and_equal_to_one_replica(full_run):
@@ -118,30 +128,36 @@ def test_every_fix_has_a_probe():
   assert set(PROBES) | set(TESTED_ELSEWHERE) == set(compat.fixes())
 
 
-def test_progress_bars_only_on_the_chief_unless_asked(run_workers):
-  code, out = run_workers([sys.executable, os.path.join(os.path.dirname(WORKER),
-                                                        "verbose_worker.py")])
-  assert code == 0 and "DONE 0" in out and "DONE 1" in out, out[-3000:]
-  lines = out.split("\n")  # A progress bar redraws with \r within one line.
-  bars = {w: [l for l in lines if l.startswith(f"[worker {w}]") and "step" in l] for w in (0, 1)}
+def _section(output, worker, name):
+  """The lines worker `worker` printed between "BEGIN name" and "END name"."""
+  lines = [l[len(f"[worker {worker}] "):] for l in output.split("\n")
+           if l.startswith(f"[worker {worker}] ")]
+  return lines[lines.index(f"BEGIN {name}") + 1:lines.index(f"END {name}")]
+
+
+def test_progress_bars_only_on_the_chief_unless_asked(worker_run):
+  out = worker_run[0]
+  # A progress bar redraws with \r within one line.
+  bars = {w: [l for l in _section(out, w, "verbose") if "step" in l] for w in (0, 1)}
   # Chief: fit's, evaluate's and predict's bars plus the verbose=2 line; worker 1: that line only.
   assert len([l for l in bars[0] if "\u2501" in l]) == 3 and len(bars[0]) == 4, out[-3000:]
   assert len(bars[1]) == 1 and "loss" in bars[1][0], bars[1]
 
 
 @pytest.mark.parametrize("fix", sorted(PROBES))
-def test_fix_is_needed(fix, tmp_path):
-  part, error = PROBES[fix]
-  rc, output, results = _run_workers(tmp_path, part, disable=fix)
-  assert f"'{fix}'" not in output.split("compat fixes applied:", 1)[-1].split(
-      "\n", 1)[0]
+def test_fix_is_needed(fix, full_run):
+  error = PROBES[fix][1]
+  for w in full_run:
+    assert fix not in set(w[f"applied_{fix}"])
+    assert set(w[f"applied_{fix}"]) == set(compat.fixes()) - {fix}
   if error is not None:
-    assert rc != 0
-    assert error in output, output[-5000:]
+    for w in full_run:
+      assert error in str(w.get(f"error_{fix}", "no error")), w.get(f"error_{fix}")
   else:
-    assert rc == 0, output[-5000:]
-    w0, w1 = results
-    keys = sorted(k for k in w0 if k.startswith("probe_w"))
+    w0, w1 = full_run
+    assert f"error_{fix}" not in w0 and f"error_{fix}" not in w1, w0.get(f"error_{fix}")
+    keys = sorted(k for k in w0 if k.startswith(f"{fix}_w"))
+    assert keys
     assert any(not np.array_equal(w0[k], w1[k]) for k in keys)
 
 
@@ -264,7 +280,7 @@ def test_untested_versions_apply_only_fixes_that_still_fit(monkeypatch):
   monkeypatch.setattr(compat, "TESTED_KERAS", "0.0.")
   monkeypatch.setattr(compat, "_warned_versions", False)
   changed = dataclasses.replace(compat.fixes()["reduce_mean_axis"],
-                                looks_as_expected=lambda: False)
+                                probe=lambda: ["reduce_per_replica changed"])
   monkeypatch.setitem(compat._REGISTRY, "reduce_mean_axis", changed)  # pylint: disable=protected-access
   compat.revert()
   try:

@@ -2,15 +2,18 @@
 
 Keras makes the training data's iterator inside `fit`, before any callback
 runs, and gives callbacks no handle on it. `tfdp.compat` installs the hooks
-below (version-gated, revertible) so that while `fit` runs:
+below (fix `fit_data_state`; probed, revertible) so that while `fit` runs:
 
 - `current(model)` returns the `FitRun`: Keras's training `TFEpochIterator`
   and, when a callback asked for the data position (`wants_data_state`), the
   `tfdp.iterators.CheckpointableDataset` that replaced Keras's distributed
   dataset (same elements, checkpointable iterators);
 - `FitRun.skip_steps(n)` makes the next epoch start at step n without taking
-  any data (the restored iterator is already there);
-- non-chief workers default to `verbose=0` in `fit`, `evaluate`, `predict`.
+  any data (the restored iterator is already there).
+
+With fix `chief_only_verbose`, non-chief workers default to `verbose=0` in
+`fit`, `evaluate`, `predict` (`wrap_quiet`). The Keras names all this relies
+on are checked by the fixes' probes (tfdp/compat/fit_fixes.py).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from tfdp import iterators
 
 _runs = threading.local()
 
-# Keras's adapters whose tf.data pipeline tf.data can serialize. Others
-# (generators, PyDataset, grain, torch) run Python code tf.data cannot save.
-_SERIALIZABLE_ADAPTERS = ("TFDatasetAdapter", "ArrayDataAdapter")
+# Keras's adapters whose tf.data pipeline tf.data can serialize (class names
+# in keras.src.trainers.data_adapters). Others (generators, PyDataset, grain,
+# torch) run Python code tf.data cannot save.
+SERIALIZABLE_ADAPTERS = ("TFDatasetAdapter", "ArrayDataAdapter")
 
 
 @dataclasses.dataclass
@@ -92,13 +96,12 @@ def _quiet_unless_chief(bound):
 
 
 def wrap_fit(original):
-  """`Trainer.fit` that records the FitRun (and is quiet on non-chief workers)."""
+  """`Trainer.fit` that records the FitRun."""
   signature = inspect.signature(original)
 
   @functools.wraps(original)
   def fit(self, *args, **kwargs):
     bound = signature.bind(self, *args, **kwargs)
-    _quiet_unless_chief(bound)
     callbacks = bound.arguments.get("callbacks") or []
     if isinstance(callbacks, (list, tuple)):
       wants = any(getattr(c, "wants_data_state", False) for c in callbacks)
@@ -114,7 +117,7 @@ def wrap_fit(original):
 
 
 def wrap_quiet(original):
-  """`Trainer.evaluate`/`predict` that default to `verbose=0` on non-chief workers."""
+  """`Trainer.fit`/`evaluate`/`predict` that default to `verbose=0` on non-chief workers."""
   signature = inspect.signature(original)
 
   @functools.wraps(original)
@@ -147,7 +150,7 @@ def wrap_epoch_iterator_init(original):
 def _swap_in_checkpointable(run: FitRun, epoch_iterator) -> None:
   adapter = type(epoch_iterator.data_adapter).__name__
   strategy = epoch_iterator._distribute_strategy  # pylint: disable=protected-access
-  if adapter not in _SERIALIZABLE_ADAPTERS:
+  if adapter not in SERIALIZABLE_ADAPTERS:
     run.not_saved_reason = f"a {adapter} input runs Python code tf.data cannot save"
     return
   dataset = epoch_iterator.data_adapter.get_tf_dataset()

@@ -5,17 +5,26 @@ Usage (one process per worker, each with its TF_CONFIG, e.g. through
 
   compat_worker.py OUT_DIR PART[,PART...]
 
-Parts:
+Parts, run in order in one process (one strategy; each part makes its own
+model, so a fix reverted before a part does not act on the others'):
   seq    a Dense model, steps_per_execution=1: fit (4 steps x 2 epochs),
          evaluate and predict on 70 rows (a partial last batch); the same fit
          without a strategy from the same initial weights is the reference.
   multi  a model with dict inputs, two outputs and BatchNormalization,
          steps_per_execution=2: fit, evaluate, predict.
-  probe_fit, probe_spe, probe_bn
-         one short fit (steps_per_execution=1; =2; with BatchNormalization).
+  verbose
+         fit, evaluate, predict with Keras's default verbose, then evaluate
+         with verbose=2, between the lines "BEGIN verbose" and "END verbose".
+  PROBE:FIX
+         with the fix FIX disabled (TFDP_COMPAT_DISABLE, then compat.apply()),
+         the smallest fit that shows it is needed; PROBE is probe_fit
+         (steps_per_execution=1), probe_spe (=2) or probe_bn (with
+         BatchNormalization). Its error, if any, is kept as `error_FIX`, the
+         fixes applied as `applied_FIX`, its weights as `FIX_w<i>`; then every
+         fix is applied again. A probe that fails inside a step function
+         (probe_spe) may leave the collectives unusable: put it last.
 
-Each worker writes OUT_DIR/worker<i>.npz. `TFDP_COMPAT_DISABLE` (read when
-tfdp is imported) turns fixes off; an error exits non-zero.
+After each part each worker writes OUT_DIR/worker<i>.npz (everything so far).
 """
 
 import faulthandler
@@ -36,7 +45,7 @@ from tfdp import cluster
 from tfdp import compat
 
 # A worker stuck in a collective after its peer died must not hang the test.
-faulthandler.dump_traceback_later(240, exit=True)
+faulthandler.dump_traceback_later(420, exit=True)
 
 FIT_ROWS = 64  # 4 global batches of 16: every replica gets 8 rows.
 EVAL_ROWS = 70  # the last batch of 6 is split across the workers.
@@ -139,7 +148,23 @@ def run_multi(strategy, out):
   out["multi_bn_moving_variance"] = bn.moving_variance.numpy()
 
 
-def _probe_fit(strategy, out, steps_per_execution, batch_norm=False):
+def run_verbose(strategy, out):
+  """fit, evaluate and predict with Keras's default verbose ("auto"), then evaluate with verbose=2."""
+  del out
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+  x, y = np.ones((32, 4), "float32"), np.ones((32, 1), "float32")
+  print("BEGIN verbose", flush=True)
+  model.fit(x, y, batch_size=16, epochs=1)
+  model.evaluate(x, y, batch_size=16)
+  model.predict(x, batch_size=16)
+  model.evaluate(x, y, batch_size=16, verbose=2)  # asked for: printed on every worker
+  sys.stdout.flush()
+  print("END verbose", flush=True)
+
+
+def _probe_fit(strategy, out, prefix, steps_per_execution, batch_norm=False):
   """The smallest fit that shows one fix is needed: 1 epoch of 4 steps."""
   x, y = _data(FIT_ROWS)
   with strategy.scope():
@@ -150,16 +175,38 @@ def _probe_fit(strategy, out, steps_per_execution, batch_norm=False):
     _compile(model, steps_per_execution=steps_per_execution, loss="mse")
   model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
   for i, w in enumerate(model.get_weights()):
-    out[f"probe_w{i}"] = w
+    out[f"{prefix}_w{i}"] = w
+
+
+PROBES = {
+    "probe_fit": lambda s, out, prefix: _probe_fit(s, out, prefix, 1),
+    "probe_spe": lambda s, out, prefix: _probe_fit(s, out, prefix, 2),
+    "probe_bn": lambda s, out, prefix: _probe_fit(s, out, prefix, 1, batch_norm=True),
+}
+
+
+def run_without(strategy, out, probe, fix):
+  """Runs `probe` with `fix` disabled in this process, then applies every fix again."""
+  compat.revert()
+  os.environ[compat.DISABLE_ENV] = fix
+  try:
+    out[f"applied_{fix}"] = np.array(sorted(compat.apply()))
+    print(f"without {fix}: compat fixes applied:", sorted(compat.applied()), flush=True)
+    try:
+      PROBES[probe](strategy, out, fix)
+    except Exception as e:  # pylint: disable=broad-except
+      out[f"error_{fix}"] = np.array(f"{type(e).__name__}: {e}")
+      print(f"without {fix}: {type(e).__name__}", flush=True)
+  finally:
+    del os.environ[compat.DISABLE_ENV]
+    compat.revert()
+    compat.apply()
 
 
 PARTS = {
     "seq": run_seq,
     "multi": run_multi,
-    # Cheap runs for the tests that disable one fix each.
-    "probe_fit": lambda s, out: _probe_fit(s, out, 1),
-    "probe_spe": lambda s, out: _probe_fit(s, out, 2),
-    "probe_bn": lambda s, out: _probe_fit(s, out, 1, batch_norm=True),
+    "verbose": run_verbose,
 }
 
 
@@ -176,9 +223,12 @@ def main(argv):
   task = cluster.resolve(strategy).index
   out = {}
   for part in parts:
-    PARTS[part](strategy, out)
+    if ":" in part:
+      run_without(strategy, out, *part.split(":"))
+    else:
+      PARTS[part](strategy, out)
+    np.savez(os.path.join(out_dir, f"worker{task}.npz"), **out)
     print(f"part {part} done", flush=True)
-  np.savez(os.path.join(out_dir, f"worker{task}.npz"), **out)
 
 
 if __name__ == "__main__":

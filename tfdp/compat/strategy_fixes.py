@@ -1,0 +1,237 @@
+"""The fixes of Keras's steps under mirrored strategies: model build, metric reduction, multi-step loop, weight aggregation."""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from keras.src import tree
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.layers import layer as keras_layer
+
+from tfdp import cluster
+from tfdp.compat import multi_step
+from tfdp.compat import probes
+from tfdp.compat.registry import patch_attr
+from tfdp.compat.registry import register
+
+_Trainer = tf_trainer.TensorFlowTrainer
+
+
+def _is_multi_replica(strategy):
+  """Whether `strategy` mirrors variables over more than one replica."""
+  return (
+      isinstance(strategy, (tf.distribute.MirroredStrategy,
+                            tf.distribute.MultiWorkerMirroredStrategy))
+      and strategy.num_replicas_in_sync > 1
+  )
+
+
+# ---------------------------------------------------------------------------
+# Fix: symbolic build from the first batch.
+
+
+def _probe_symbolic_build_batch():
+  # The patch calls upstream with (iterator=None, data_batch=batch): upstream
+  # must still build from `data_batch`, and still have the nest reduce.
+  return [
+      *probes.params(_Trainer, "_maybe_symbolic_build", ("self", "iterator", "data_batch")),
+      *probes.reads(_Trainer, "_maybe_symbolic_build", "self._distribute_strategy",
+                    "for _, _, it in iterator:", "self.distribute_strategy.reduce(",
+                    "self._symbolic_build(data_batch=data_batch)", ordered=True),
+      *probes.multi_worker_attributes(),
+  ]
+
+
+@register("symbolic_build_batch", _probe_symbolic_build_batch,
+          "fit and evaluate under a multi-worker MultiWorkerMirroredStrategy may fail "
+          "building the model from its first batch")
+def _install_symbolic_build_batch():
+  """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer._maybe_symbolic_build.
+
+  Upstream peeks at the first distributed batch and calls
+  `strategy.reduce("MEAN", batch, axis=None)` on the whole (x, y, sw) nest to
+  get one tensor per input. MultiWorkerMirroredStrategy's `reduce` does not
+  accept a nest, so `fit`/`evaluate` fail with "Attempt to convert a value
+  (PerReplica...) to a Tensor". Only shapes and dtypes are needed to build the
+  model, so under MultiWorkerMirroredStrategy the patch takes the first local
+  replica's value (no collective is launched) and hands that batch to the
+  upstream function.
+  """
+  original = _Trainer._maybe_symbolic_build  # pylint: disable=protected-access
+
+  @functools.wraps(original)
+  def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    strategy = self._distribute_strategy  # pylint: disable=protected-access
+    if iterator is None or not cluster.is_multi_worker(strategy):
+      return original(self, iterator=iterator, data_batch=data_batch)
+    for _, _, it in iterator:
+      data_batch = tree.map_structure(
+          lambda v: strategy.experimental_local_results(v)[0]
+          if isinstance(v, tf.distribute.DistributedValues) else v,
+          next(it),
+      )
+      break
+    return original(self, iterator=None, data_batch=data_batch)
+
+  return patch_attr(_Trainer, "_maybe_symbolic_build", _maybe_symbolic_build,
+                    "symbolic_build_batch")
+
+
+# ---------------------------------------------------------------------------
+# Fix: "mean" reduction of step outputs across workers.
+
+
+def _probe_reduce_mean_axis():
+  # The patch replaces the module's function: the steps must still look it
+  # up there when they run (not hold a reference of their own).
+  return [
+      *probes.params(tf_trainer, "reduce_per_replica", ("values", "strategy", "reduction")),
+      *probes.reads(tf_trainer, "reduce_per_replica", "isinstance(strategy, tf.distribute.TPUStrategy)",
+                    'reduction = "mean"', 'strategy.reduce("MEAN", v, axis=0)', ordered=True),
+      *probes.reads(_Trainer, "_make_function", "reduce_per_replica(", 'reduction="auto"'),
+      *probes.multi_worker_attributes(),
+  ]
+
+
+@register("reduce_mean_axis", _probe_reduce_mean_axis,
+          "fit and evaluate under a multi-worker MultiWorkerMirroredStrategy may fail "
+          "reducing scalar metrics")
+def _install_reduce_mean_axis():
+  """keras/src/backend/tensorflow/trainer.py reduce_per_replica.
+
+  For multi-worker MultiWorkerMirroredStrategy upstream reduces the
+  `reduction="mean"` (what "auto" means off TPU) outputs of `train_step` /
+  `test_step` with `strategy.reduce("MEAN", v, axis=0)`, which also averages
+  over dimension 0: scalar metrics fail with "Invalid reduction dimension 0
+  for input with 0 dimensions", and other outputs get a shape different from
+  MirroredStrategy's. The patch reduces with `axis=None` (an element-wise mean
+  over all replicas of all workers, the value MirroredStrategy computes over
+  its local replicas); every other case goes to upstream.
+  """
+  original = tf_trainer.reduce_per_replica
+
+  @functools.wraps(original)
+  def reduce_per_replica(values, strategy, reduction):
+    resolved = reduction
+    if resolved == "auto" and not isinstance(strategy, tf.distribute.TPUStrategy):
+      resolved = "mean"
+    if resolved != "mean" or not cluster.is_multi_worker(strategy):
+      return original(values, strategy, reduction)
+    return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+
+  return patch_attr(tf_trainer, "reduce_per_replica", reduce_per_replica, "reduce_mean_axis")
+
+
+# ---------------------------------------------------------------------------
+# Fix: steps_per_execution > 1.
+
+
+def _probe_steps_per_execution_inline():
+  # The inline loop copies upstream's (tfdp.compat.multi_step): the bug's
+  # shape, the private names both use, and that train/test functions are
+  # still made by `_make_function`.
+  return [
+      *probes.params(_Trainer, "_make_function", ("self", "step_function")),
+      *probes.reads(_Trainer, "_make_function", "one_step_on_data = tf.function(",
+                    "self._autoconvert_optionals(one_step_on_data)",
+                    "def multi_step_on_iterator(iterator):", "tf.cond(",
+                    "._element_spec = ", "self.unrolled_steps_per_execution",
+                    "raise StopIteration"),
+      *probes.reads(_Trainer, "make_train_function", "self._make_function(self.train_step)"),
+      *probes.reads(_Trainer, "make_test_function", "self._make_function(self.test_step)"),
+      *probes.reads(_Trainer, "__init__", "self.unrolled_steps_per_execution = "),
+      *probes.multi_worker_attributes(),
+  ]
+
+
+@register("steps_per_execution_inline", _probe_steps_per_execution_inline,
+          "fit and evaluate with steps_per_execution > 1 under a multi-worker "
+          "MultiWorkerMirroredStrategy may fail")
+def _install_steps_per_execution_inline():
+  """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer._make_function.
+
+  With `steps_per_execution > 1` upstream calls the step, its own
+  `tf.function` (`one_step_on_data`), inside a `tf.cond` in a `tf.while_loop`
+  (`multi_step_on_iterator`). Collective ops (the gradient all-reduce) take
+  their instance key from a call-time capture
+  (tensorflow/python/distribute/cross_device_utils.py
+  CollectiveReplicaLauncher._next_instance_key) that a nested function call
+  inside control flow does not forward, so `fit`/`evaluate` fail with "You
+  must feed a value for placeholder tensor '.../while/cond/Placeholder' with
+  dtype int32". Under multi-worker MultiWorkerMirroredStrategy with
+  `steps_per_execution > 1` (and no `jit_compile`, no `run_eagerly`) the patch
+  builds the same loop with the step traced inline, so the collectives live
+  in the outer function, as in tf-keras; all other cases go to upstream.
+  (MirroredStrategy on several CPUs has the same upstream failure; it is left
+  as upstream.)
+  """
+  original = _Trainer._make_function  # pylint: disable=protected-access
+
+  @functools.wraps(original)
+  def _make_function(self, step_function):
+    if (self.steps_per_execution <= 1 or self.run_eagerly or self.jit_compile
+        or not cluster.is_multi_worker(self.distribute_strategy)):
+      return original(self, step_function)
+    return multi_step.inline_multi_step_function(self, step_function)
+
+  return patch_attr(_Trainer, "_make_function", _make_function, "steps_per_execution_inline")
+
+
+# ---------------------------------------------------------------------------
+# Fix: non-trainable layer weights (BatchNormalization statistics).
+
+
+def _probe_non_trainable_mean_aggregation():
+  # The patch reads dtype, trainable and aggregation from the call's keywords
+  # (dtype also third positional, Keras 2 style) and the layer's
+  # variable_dtype, as upstream does.
+  return [
+      *probes.params(keras_layer.Layer, "add_weight", ("self", "args"),
+                     {"dtype": None, "trainable": True, "aggregation": "none"}),
+      *probes.reads(keras_layer.Layer, "add_weight", "dtype = args[2]", "self.variable_dtype"),
+      *probes.defines(keras_layer.Layer, "variable_dtype"),
+      *probes.reads(keras.layers.BatchNormalization, "build", 'name="moving_mean"',
+                    'name="moving_variance"', "trainable=False"),
+      *probes.omits(keras.layers.BatchNormalization, "build", "aggregation"),
+  ]
+
+
+@register("non_trainable_mean_aggregation", _probe_non_trainable_mean_aggregation,
+          "BatchNormalization statistics (and other non-trainable weights) differ "
+          "between replicas and workers after fit")
+def _install_non_trainable_mean_aggregation():
+  """keras/src/layers/layer.py Layer.add_weight.
+
+  Layer weights default to `aggregation="none"`. A MirroredVariable with no
+  aggregation that is assigned in replica context (BatchNormalization's
+  moving mean/variance during `fit`) only updates the local copy
+  (tensorflow/python/distribute/values.py _on_write_update_replica). Under
+  MultiWorkerMirroredStrategy every worker then ends `fit` with its own moving
+  statistics: the workers' weights differ, and so do their checkpoints and
+  predictions, with no error. Under MirroredStrategy each device keeps its own
+  and a checkpoint holds device 0's, so 1 worker x 2 replicas and 2 workers x
+  1 replica end with different statistics and a run cannot resume bitwise on
+  another topology. tf-keras averaged them across replicas. Under any
+  mirrored strategy with more than one replica the patch creates
+  floating-point non-trainable layer weights whose caller left `aggregation`
+  at its default with `aggregation="mean"`, so each replica-context update is
+  averaged over all replicas (one small all-reduce per such weight per step).
+  Other weights, and single-replica strategies, go to upstream unchanged.
+  """
+  original = keras_layer.Layer.add_weight
+
+  @functools.wraps(original)
+  def add_weight(self, *args, **kwargs):
+    if (not kwargs.get("trainable", True)
+        and kwargs.get("aggregation", "none") in ("none", None)
+        and _is_multi_replica(tf.distribute.get_strategy())):
+      dtype = kwargs.get("dtype", args[2] if len(args) > 2 else None)
+      dtype = (keras.backend.standardize_dtype(dtype)
+               if dtype is not None else self.variable_dtype)
+      if "float" in dtype:
+        kwargs["aggregation"] = "mean"
+    return original(self, *args, **kwargs)
+
+  return patch_attr(keras_layer.Layer, "add_weight", add_weight,
+                    "non_trainable_mean_aggregation")
