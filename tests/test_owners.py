@@ -113,3 +113,43 @@ def test_a_failed_async_save_gives_back_its_save_counter_increment(tmp_path):
   manager.close()
   assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1", "ckpt-2"]
   assert int(ckpt.save_counter.numpy()) == 2
+
+
+class _StopAt(keras.callbacks.Callback):
+  """Raises after global batch `batch` of epoch `epoch` (a crash mid-epoch)."""
+
+  def __init__(self, epoch, batch):
+    super().__init__()
+    self.epoch, self.batch, self._current = epoch, batch, None
+
+  def on_epoch_begin(self, epoch, logs=None):
+    self._current = epoch
+
+  def on_train_batch_end(self, batch, logs=None):
+    if (self._current, batch) == (self.epoch, self.batch):
+      raise RuntimeError("crash")
+
+
+def test_a_resume_without_the_data_hooks_says_the_data_position_is_lost(tmp_path, monkeypatch):
+  """A probe-failed (or disabled) fit_data_state warns at import and again at every resume it costs."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from tfdp import compat  # pylint: disable=g-import-not-at-top
+  backup_dir = str(tmp_path / "backup")
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(40, seed=1).batch(8)
+  with pytest.raises(RuntimeError, match="crash"):
+    _model().fit(dataset, epochs=3, verbose=0, callbacks=[
+        callbacks.BackupAndRestore(backup_dir, save_freq=2), _StopAt(1, 2)])
+  warnings = []
+  compat.revert()
+  monkeypatch.setenv(compat.DISABLE_ENV, "fit_data_state")
+  try:
+    compat.apply()
+    monkeypatch.setattr(logging, "warning", lambda msg, *a: warnings.append(msg % a))
+    _model().fit(dataset, epochs=3, verbose=0,
+                 callbacks=[callbacks.BackupAndRestore(backup_dir, save_freq=2)])
+  finally:
+    compat.revert()
+    monkeypatch.delenv(compat.DISABLE_ENV)
+    compat.apply()
+  lost = [w for w in warnings if "holds the data position" in w]
+  assert len(lost) == 1 and "fit_data_state is disabled" in lost[0], warnings

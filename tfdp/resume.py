@@ -207,11 +207,13 @@ def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool
 
 
 def _why_no_hooks() -> str | None:
-  """Why `fit` runs without tfdp's data hooks (a compat fix skipped), or None."""
+  """Why `fit` runs without tfdp's data hooks (tfdp.compat's fit_data_state not installed), or None."""
   from tfdp import compat  # pylint: disable=g-import-not-at-top
-  skipped = getattr(compat, "skipped", lambda: {})()
-  if "fit_data_state" in skipped:
-    return f"tfdp.compat's fit_data_state fix is not installed ({skipped['fit_data_state']})"
-  if "fit_data_state" not in compat.applied():
-    return "tfdp.compat's fit_data_state fix is not installed"
-  return None
+  name = "fit_data_state"
+  if name in compat.applied():
+    return None
+  if name in compat.skipped():
+    return f"tfdp.compat did not install {name}: {compat.skipped()[name]}"
+  if name in compat.disabled_fixes():
+    return f"tfdp.compat's {name} is disabled by {compat.DISABLE_ENV}"
+  return f"tfdp.compat's {name} is not installed (import tfdp before fit)"
