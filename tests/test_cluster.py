@@ -1,4 +1,4 @@
-"""Tests of tfdp.cluster: each step of the resolution order, the ConfigError, SLURM, numbering, and agree() across 2 real workers."""
+"""Tests of tfdp.cluster: each step of the resolution order, the ConfigError, SLURM, and agree() across 2 real workers."""
 
 import dataclasses
 import json
@@ -44,17 +44,6 @@ def test_worker_is_a_frozen_record_and_index_0_is_the_chief():
   assert w.is_chief and not cluster.Worker(1, 2).is_chief
   with pytest.raises(dataclasses.FrozenInstanceError):
     w.index = 1  # pytype: disable=not-writable
-
-
-def test_chief_and_worker_numbering():
-  with_chief = {"chief": ["c:1"], "worker": ["w:1", "w:2"]}
-  assert cluster.worker_index("chief", 0, with_chief) == 0
-  assert cluster.worker_index("worker", 0, with_chief) == 1
-  assert cluster.worker_index("worker", 1, with_chief) == 2
-  assert cluster.worker_index("worker", 1, {"worker": ["w:1", "w:2"]}) == 1
-  assert cluster.chief_task({"cluster": with_chief}) == ("chief", 0)
-  assert cluster.chief_task({"cluster": {"worker": ["w:1"]}}) == ("worker", 0)
-  assert cluster.num_cluster_workers({"cluster": with_chief}) == 3
 
 
 def test_explicit_index_and_count_win_over_everything(env, local_mwms):
@@ -173,14 +162,6 @@ def test_slurm_step(env):
   assert cluster.resolve() == cluster.Worker(0, 1, None, None, ("worker", 0))
 
 
-def test_unchecked_tf_config_for_error_paths(env):
-  assert cluster.tf_config_or_empty() == {}
-  env.setenv("TF_CONFIG", "{not json")
-  assert cluster.tf_config_or_empty() == {}
-  env.setenv("TF_CONFIG", _tf_config(2, 1))
-  assert cluster.own_task(cluster.tf_config_or_empty()) == ("worker", 1)
-
-
 def test_agree_without_multi_worker_returns_the_value(env, local_mwms):
   assert cluster.agree(3.5) == 3.5
   assert cluster.agree(2.0, "sum", local_mwms) == 2.0
@@ -192,7 +173,7 @@ def test_agree_without_multi_worker_returns_the_value(env, local_mwms):
 
 WORKER = """
 import tensorflow as tf, keras
-from tfdp import cluster, errors
+from tfdp import cluster, environment, errors
 from tfdp import strategy as S
 s = S.make_strategy("auto", cpu_replicas=2, all_reduce="ring", timeout_seconds=60)
 with s.scope():
@@ -213,7 +194,7 @@ print("RESULT", w.index, w.count, w.is_chief, w.task, w.peers, refused,
       by_objects == w, cluster.peers(s) == w.peers,
       cluster.agree(v, "max", s), cluster.agree(v, "min", s), in_scope_sum,
       cluster.agree(nonce, "sum", s) == 2.0 ** 50 + 3,
-      w.address == cluster.parse_tf_config()["cluster"]["worker"][w.index])
+      w.address == environment.parse_tf_config()["cluster"]["worker"][w.index])
 """
 
 

@@ -6,7 +6,6 @@ import sys
 import pytest
 import tensorflow as tf
 
-from tfdp import cluster
 from tfdp import errors
 from tfdp import strategy as S
 from tests.conftest import launch_workers
@@ -96,12 +95,6 @@ def test_bad_tf_config(monkeypatch, raw, match):
   monkeypatch.setenv("TF_CONFIG", raw)
   with pytest.raises(errors.ConfigError, match=match):
     S.make_strategy("auto")
-
-
-def test_tf_config_parsing():
-  assert cluster.parse_tf_config("") is None
-  config = cluster.parse_tf_config(_tf_config(3, 2))
-  assert cluster.num_cluster_workers(config) == 3
 
 
 @pytest.mark.parametrize("kind, workers, gpus, cpu_replicas, expected", [
