@@ -6,6 +6,7 @@ import sys
 import pytest
 import tensorflow as tf
 
+from tfdp import cluster
 from tfdp import errors
 from tfdp import strategy as S
 from tests.conftest import launch_workers
@@ -25,7 +26,8 @@ def test_mirrored_over_cpu_replicas(no_tf_config):
   s = S.make_strategy("mirrored", cpu_replicas=2)
   assert isinstance(s, tf.distribute.MirroredStrategy)
   assert s.num_replicas_in_sync == 2
-  assert S.worker_info(s) == (0, 1)
+  w = cluster.resolve(s)
+  assert (w.index, w.count, w.is_chief) == (0, 1, True)
 
 
 def test_auto_picks_mirrored_with_cpu_replicas_else_default(no_tf_config):
@@ -155,11 +157,12 @@ def test_peer_timeout_must_be_positive(monkeypatch):
 
 WORKER = """
 import sys, tensorflow as tf
-from tfdp import strategy as S
+from tfdp import cluster, strategy as S
 s = S.make_strategy("auto", cpu_replicas=2, all_reduce="ring", timeout_seconds=60)
+w = cluster.resolve(s)
 ctx = lambda: tf.distribute.get_replica_context()
 r = s.run(lambda: ctx().all_reduce("SUM", tf.cast(ctx().replica_id_in_sync_group, tf.float32)))
-print("RESULT", type(s).__name__, s.num_replicas_in_sync, S.worker_info(s),
+print("RESULT", type(s).__name__, s.num_replicas_in_sync, (w.index, w.count, w.is_chief),
       [float(x) for x in s.experimental_local_results(r)],
       "pack", s.extended._communication_options.bytes_per_pack)
 """
@@ -172,6 +175,6 @@ def test_multi_worker_with_two_cpu_replicas_each():
   # 4 replicas in sync (2 workers x 2), ids 0..3 sum to 6 on every replica;
   # ring collectives get the default 4 MB gradient packs.
   assert results == [
-      "_MultiWorkerCpuReplicasStrategy 4 (0, 2) [6.0, 6.0] pack 4194304",
-      "_MultiWorkerCpuReplicasStrategy 4 (1, 2) [6.0, 6.0] pack 4194304",
+      "_MultiWorkerCpuReplicasStrategy 4 (0, 2, True) [6.0, 6.0] pack 4194304",
+      "_MultiWorkerCpuReplicasStrategy 4 (1, 2, False) [6.0, 6.0] pack 4194304",
   ], out

@@ -10,7 +10,6 @@ import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import distribute_lib
 
-from tfdp import cluster as cluster_lib
 from tfdp import environment
 from tfdp import errors
 
@@ -354,15 +353,3 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
                type(strategy).__name__, strategy.num_replicas_in_sync, all_reduce)
   return strategy
 
-
-
-def worker_info(strategy: Any = None) -> tuple[int, int]:
-  """(worker index, number of workers) of this process: `tfdp.cluster.resolve`'s.
-
-  Kept for the callers not switched to `tfdp.cluster.resolve` yet.
-
-  Raises:
-    ConfigError: see `tfdp.cluster.resolve`.
-  """
-  worker = cluster_lib.resolve(strategy)
-  return worker.index, worker.count
