@@ -1,15 +1,14 @@
 """Tests of tfdp.strategy: the pure choice of kind (every branch and error), each builder, each bad input, multi-worker cpu_replicas."""
 
 import json
-import sys
 
 import pytest
 import tensorflow as tf
 
+from tests import identity_run
 from tfdp import cluster
 from tfdp import errors
 from tfdp import strategy as S
-from tests.conftest import launch_workers
 
 
 def _tf_config(n=2, index=0):
@@ -155,26 +154,12 @@ def test_peer_timeout_must_be_positive(monkeypatch):
     S.make_strategy("multi_worker", peer_timeout_seconds=0)
 
 
-WORKER = """
-import sys, tensorflow as tf
-from tfdp import cluster, strategy as S
-s = S.make_strategy("auto", cpu_replicas=2, all_reduce="ring", timeout_seconds=60)
-w = cluster.resolve(s)
-ctx = lambda: tf.distribute.get_replica_context()
-r = s.run(lambda: ctx().all_reduce("SUM", tf.cast(ctx().replica_id_in_sync_group, tf.float32)))
-print("RESULT", type(s).__name__, s.num_replicas_in_sync, (w.index, w.count, w.is_chief),
-      [float(x) for x in s.experimental_local_results(r)],
-      "pack", s.extended._communication_options.bytes_per_pack)
-"""
-
-
 def test_multi_worker_with_two_cpu_replicas_each():
-  code, out = launch_workers([sys.executable, "-c", WORKER], num_workers=2, timeout=120)
-  assert code == 0, out
-  results = sorted(l.split("RESULT ", 1)[1] for l in out.splitlines() if "RESULT " in l)
+  code, out, results = identity_run.results("strategy")
+  assert code == 0, out[-5000:]
   # 4 replicas in sync (2 workers x 2), ids 0..3 sum to 6 on every replica;
   # ring collectives get the default 4 MB gradient packs.
   assert results == [
       "_MultiWorkerCpuReplicasStrategy 4 (0, 2, True) [6.0, 6.0] pack 4194304",
       "_MultiWorkerCpuReplicasStrategy 4 (1, 2, False) [6.0, 6.0] pack 4194304",
-  ], out
+  ], out[-5000:]
