@@ -280,7 +280,8 @@ def _allreduce_worker(settings):
   strategy = tfdp.make_strategy("multi_worker", all_reduce="ring")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   impl = tf.distribute.experimental.CommunicationImplementation.RING
-  worker, n = tfdp.strategy.worker_info(strategy)
+  me = tfdp.cluster.resolve(strategy)
+  n = me.count
 
   def make_fn(tensors, options):
     @tf.function
@@ -320,7 +321,7 @@ def _allreduce_worker(settings):
                    "busbw_MBps": alg * 2 * (n - 1) / n / _MB})
     logging.info("all-reduce %s MB done", size_mb)
     del tensors, fns
-  if worker == 0:
+  if me.is_chief:
     with open(FLAGS.result, "w") as f:
       json.dump({"workers": n, "rows": rows}, f)
 
@@ -390,7 +391,8 @@ def _scaling_worker(settings):
   tf.config.threading.set_intra_op_parallelism_threads(1)
   import tfdp  # pylint: disable=g-import-not-at-top
   strategy = tfdp.make_strategy("multi_worker")
-  worker, n = tfdp.strategy.worker_info(strategy)
+  me = tfdp.cluster.resolve(strategy)
+  n = me.count
   g = FLAGS.scaling_batch * n
   window = settings["window_steps"]
   steps = settings["warmup_steps"] + settings["windows"] * window + 1
@@ -408,7 +410,7 @@ def _scaling_worker(settings):
   tfdp.fit(model, make_dataset, start_step=0, train_steps=steps,
            steps_per_epoch=steps, callbacks=[stamps], verbose=0)
   rates = bench_common.window_rates(stamps.stamps, g, settings["warmup_steps"], window)
-  if worker == 0:
+  if me.is_chief:
     with open(FLAGS.result, "w") as f:
       json.dump({"workers": n, "global_batch_size": g, "window_rates": rates,
                  "grad_bytes": sum(int(v.numpy().nbytes)

@@ -1,15 +1,14 @@
 """Tests of tfdp.strategy: the pure choice of kind (every branch and error), each builder, each bad input, multi-worker cpu_replicas."""
 
 import json
-import sys
 
 import pytest
 import tensorflow as tf
 
+from tests import identity_run
 from tfdp import cluster
 from tfdp import errors
 from tfdp import strategy as S
-from tests.conftest import launch_workers
 
 
 def _tf_config(n=2, index=0):
@@ -26,7 +25,8 @@ def test_mirrored_over_cpu_replicas(no_tf_config):
   s = S.make_strategy("mirrored", cpu_replicas=2)
   assert isinstance(s, tf.distribute.MirroredStrategy)
   assert s.num_replicas_in_sync == 2
-  assert S.worker_info(s) == (0, 1)
+  w = cluster.resolve(s)
+  assert (w.index, w.count, w.is_chief) == (0, 1, True)
 
 
 def test_auto_picks_mirrored_with_cpu_replicas_else_default(no_tf_config):
@@ -98,12 +98,6 @@ def test_bad_tf_config(monkeypatch, raw, match):
     S.make_strategy("auto")
 
 
-def test_tf_config_parsing():
-  assert cluster.parse_tf_config("") is None
-  config = cluster.parse_tf_config(_tf_config(3, 2))
-  assert cluster.num_cluster_workers(config) == 3
-
-
 @pytest.mark.parametrize("kind, workers, gpus, cpu_replicas, expected", [
     ("auto", 2, 0, None, "multi_worker"),
     ("auto", 2, 4, 2, "multi_worker"),
@@ -160,25 +154,12 @@ def test_peer_timeout_must_be_positive(monkeypatch):
     S.make_strategy("multi_worker", peer_timeout_seconds=0)
 
 
-WORKER = """
-import sys, tensorflow as tf
-from tfdp import strategy as S
-s = S.make_strategy("auto", cpu_replicas=2, all_reduce="ring", timeout_seconds=60)
-ctx = lambda: tf.distribute.get_replica_context()
-r = s.run(lambda: ctx().all_reduce("SUM", tf.cast(ctx().replica_id_in_sync_group, tf.float32)))
-print("RESULT", type(s).__name__, s.num_replicas_in_sync, S.worker_info(s),
-      [float(x) for x in s.experimental_local_results(r)],
-      "pack", s.extended._communication_options.bytes_per_pack)
-"""
-
-
 def test_multi_worker_with_two_cpu_replicas_each():
-  code, out = launch_workers([sys.executable, "-c", WORKER], num_workers=2, timeout=120)
-  assert code == 0, out
-  results = sorted(l.split("RESULT ", 1)[1] for l in out.splitlines() if "RESULT " in l)
+  code, out, results = identity_run.results("strategy")
+  assert code == 0, out[-5000:]
   # 4 replicas in sync (2 workers x 2), ids 0..3 sum to 6 on every replica;
   # ring collectives get the default 4 MB gradient packs.
   assert results == [
-      "_MultiWorkerCpuReplicasStrategy 4 (0, 2) [6.0, 6.0] pack 4194304",
-      "_MultiWorkerCpuReplicasStrategy 4 (1, 2) [6.0, 6.0] pack 4194304",
-  ], out
+      "_MultiWorkerCpuReplicasStrategy 4 (0, 2, True) [6.0, 6.0] pack 4194304",
+      "_MultiWorkerCpuReplicasStrategy 4 (1, 2, False) [6.0, 6.0] pack 4194304",
+  ], out[-5000:]

@@ -14,6 +14,7 @@ from absl import logging
 import keras
 
 from tfdp import cluster
+from tfdp import environment
 
 # The file a worker's heartbeats go to; tfdp-launch sets it for every worker.
 ENV_HEARTBEAT_FILE = "TFDP_HEARTBEAT_FILE"
@@ -187,8 +188,8 @@ def lost_peers(message: str, tf_config: dict | None = None) -> list[str]:
       left out and addresses are added.
   """
   if tf_config is None:
-    tf_config = cluster.tf_config_or_empty()
-  own = cluster.own_task(tf_config)
+    tf_config = environment.tf_config_or_empty()
+  own = environment.own_task(tf_config)
   jobs = tf_config.get("cluster") or {}
   peers = []
   for job, index in _TASK.findall(message or ""):
@@ -217,8 +218,8 @@ def is_peer_loss(error: BaseException) -> bool:
 
 def _leader(tf_config):
   """The coordination service's leader: the chief, else worker 0."""
-  job, index = cluster.chief_task(tf_config)
-  if cluster.own_task(tf_config) == (job, index):
+  job, index = environment.chief_task(tf_config)
+  if environment.own_task(tf_config) == (job, index):
     return None
   addresses = ((tf_config or {}).get("cluster") or {}).get(job) or []
   return f"{job} {index}" + (f" ({addresses[index]})" if len(addresses) > index else "")
@@ -230,7 +231,7 @@ def describe_peer_loss(error: Any, context: str | None = None) -> str:
   peers = lost_peers(context or text) or lost_peers(text)
   if not peers and "CoordinationService" in text:
     # This worker's heartbeats to the coordination service go unanswered.
-    leader = _leader(cluster.tf_config_or_empty())
+    leader = _leader(environment.tf_config_or_empty())
     peers = [f"{leader}, the coordination service leader"] if leader else []
   who = ", ".join(peers) if peers else "an unnamed peer"
   # The cause, without the graph's Python traceback TF puts before it.

@@ -10,12 +10,8 @@ import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import distribute_lib
 
-from tfdp import cluster as cluster_lib
+from tfdp import environment
 from tfdp import errors
-# Cluster resolution lives in tfdp.cluster; tests/test_fault_tolerance.py
-# still reads these two from here.
-from tfdp.cluster import num_cluster_workers
-from tfdp.cluster import resolve_cluster
 
 KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "ring")
@@ -107,7 +103,7 @@ def _configure_peer_timeout(config, peer_timeout_seconds):
   if context.context().coordination_service is not None:
     return
   spec = tf.train.ClusterSpec(config["cluster"])
-  if config["task"]["type"] not in cluster_lib.TASK_TYPES:
+  if config["task"]["type"] not in environment.TASK_TYPES:
     return
   jobs = [coordination_config_pb2.CoordinatedJob(name=j, num_tasks=spec.num_tasks(j))
           for j in ("chief", "worker") if j in spec.jobs]
@@ -323,7 +319,7 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
       all-reduce; 0: one pack; None: 4 MB for ring (gRPC) collectives, one
       pack for NCCL (`default_bytes_per_pack`).
     cluster: where the cluster comes from: `auto`, `tf_config` or `slurm`
-      (see `tfdp.cluster.resolve_cluster`).
+      (see `tfdp.environment.resolve_cluster`).
     peer_timeout_seconds: multi_worker: a peer that sends no heartbeat to
       the coordination service for this long is lost, and the collectives
       of every other worker fail with an error naming it.
@@ -336,9 +332,10 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
       TF_CONFIG or SLURM step, cpu_replicas too late or invalid.
   """
   num_gpus = len(_gpus())
-  resolver, config = resolve_cluster(cluster)
+  resolver, config = environment.resolve_cluster(cluster)
+  workers = None if config is None else environment.num_cluster_workers(config)
   kind = choose_kind(
-      kind, tf_config_workers=None if config is None else num_cluster_workers(config),
+      kind, tf_config_workers=workers,
       num_gpus=num_gpus, cpu_replicas=cpu_replicas, all_reduce=all_reduce)
   if bytes_per_pack is None:
     bytes_per_pack = default_bytes_per_pack(all_reduce, bool(num_gpus))
@@ -356,14 +353,3 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
                type(strategy).__name__, strategy.num_replicas_in_sync, all_reduce)
   return strategy
 
-
-def worker_info(strategy: Any = None) -> tuple[int, int]:
-  """(worker index, number of workers) of this process: `tfdp.cluster.resolve`'s.
-
-  Kept for the callers not switched to `tfdp.cluster.resolve` yet.
-
-  Raises:
-    ConfigError: see `tfdp.cluster.resolve`.
-  """
-  worker = cluster_lib.resolve(strategy)
-  return worker.index, worker.count

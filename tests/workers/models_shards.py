@@ -12,10 +12,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 def main():
   data_dir, out_dir, global_batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
   import models  # pylint: disable=g-import-not-at-top
+  from tfdp import cluster  # pylint: disable=g-import-not-at-top
   from tfdp import datasets  # pylint: disable=g-import-not-at-top
   from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   strategy = strategy_lib.make_strategy("multi_worker")
-  worker, workers = strategy_lib.worker_info(strategy)
+  me = cluster.resolve(strategy)
+  worker, workers = me.index, me.count
   dataset = datasets.load("tfds:tfdp_interactions", task=models.RECOMMENDATION, data_dir=data_dir,
                           num_workers=workers)
   mine = dataset.source.for_worker(worker, workers).num_examples

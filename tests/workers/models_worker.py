@@ -30,7 +30,7 @@ def train(strategy, name, train_steps, run_eagerly=False, **overrides):
     A JSON-able summary: step, per-epoch losses, dtype policy, variable dtypes.
   """
   import models  # pylint: disable=g-import-not-at-top
-  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdp import cluster  # pylint: disable=g-import-not-at-top
   from tfdp import trainer  # pylint: disable=g-import-not-at-top
   from tfdp import training  # pylint: disable=g-import-not-at-top
   model_name = name.split("+")[0]
@@ -39,7 +39,7 @@ def train(strategy, name, train_steps, run_eagerly=False, **overrides):
                                **dict(CASES[model_name], **overrides))
   config.validate()
   spec = models.get(model_name)
-  _, num_workers = strategy_lib.worker_info(strategy)
+  num_workers = cluster.resolve(strategy).count
   source = trainer._source(config, spec, num_workers)  # pylint: disable=protected-access
   with strategy.scope():
     model = trainer._build(config, spec, source)  # pylint: disable=protected-access

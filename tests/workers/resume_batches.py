@@ -10,12 +10,12 @@ import numpy as np
 import tensorflow as tf
 
 import tfdp
-from tfdp import strategy as strategy_lib
+from tfdp import cluster
 
 
 def main(out_dir, phase, k, m):
   strategy = tfdp.make_strategy("multi_worker")
-  worker, _ = strategy_lib.worker_info(strategy)
+  worker = cluster.resolve(strategy).index
   source = tfdp.data.synthetic_images(num_examples=96, image_shape=(4, 4, 1), seed=5)
   step = tf.Variable(0, dtype=tf.int64)
   manager = tfdp.CheckpointManager(tf.train.Checkpoint(step=step),
