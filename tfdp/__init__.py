@@ -43,7 +43,7 @@ __all__ = sorted(_PUBLIC)
 # launcher's and tfdp.goodput, which the launcher uses (they import no
 # TensorFlow), and tfdp.compat, which applies nothing by itself.
 _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
-                   "tfdp._version", "tfdp.checkpoint.layout")
+                   "tfdp._version", "tfdp.checkpoint.layout", "tfdp.environment")
 # Packages whose own (lazy) __init__ does not apply it; their other
 # submodules do.
 _WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint",)
