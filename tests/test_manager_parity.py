@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfdp import errors
 from tfdp.checkpoint import CheckpointManager
 from tfdp.checkpoint import layout as layout_lib
 
@@ -182,23 +183,27 @@ def _continue(kind, d):
   return before, restored, values, saved, _observed(mgr, d)
 
 
-@pytest.mark.parametrize("writer", ["tf.train.Checkpoint.save", "tf.train.CheckpointManager"])
+@pytest.mark.parametrize("writer", ["tf.train.Checkpoint.save", "tf.train.CheckpointManager",
+                                    "another prefix", "another checkpoint_name"])
 def test_continues_a_directory_written_by_tf(tmp_path, writer):
+  """Whatever prefix TF wrote: its latest is restored, numbering goes on, retention as TF's."""
+  name = "model" if writer in ("another prefix", "another checkpoint_name") else "ckpt"
+
   def scenario(kind, d):
     v = tf.Variable(np.zeros(3, np.float32))
     ckpt = tf.train.Checkpoint(v=v)
-    stock = tf.train.CheckpointManager(ckpt, str(d), max_to_keep=2)
+    stock = tf.train.CheckpointManager(ckpt, str(d), max_to_keep=2, checkpoint_name=name)
     for i in range(3):
       v.assign([i, i, i])
-      if writer == "tf.train.Checkpoint.save":
-        ckpt.save(str(d / "ckpt"))
+      if writer in ("tf.train.Checkpoint.save", "another prefix"):
+        ckpt.save(str(d / name))
       else:
         stock.save()
     return _continue(kind, d)
 
   r = _both(tmp_path, scenario)
   assert r["tfdp"] == r["tf"]
-  assert r["tf"][1] == "ckpt-3" and r["tf"][2] == [2.0, 2.0, 2.0]
+  assert r["tf"][1] == f"{name}-3" and r["tf"][2] == [2.0, 2.0, 2.0]
   assert r["tf"][3] == "ckpt-4"
 
 
@@ -226,3 +231,18 @@ def test_async_save_deletes_in_the_background_documented_difference(tmp_path):
     mgr.save()
   mgr.sync()
   assert _files(tmp_path) == ["checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.index"]
+
+
+def test_checkpoints_nothing_names_are_refused_not_silently_restarted_next_to(tmp_path):
+  """TF's manager starts over beside checkpoints its state file does not name; tfdp refuses in one line."""
+  ckpt = tf.train.Checkpoint(v=tf.Variable(np.full(3, 7.0, np.float32)))
+  ckpt.write(str(tmp_path / "model-3"))  # No state file names it.
+  fresh = tf.train.Checkpoint(v=tf.Variable(np.zeros(3, np.float32)))
+  stock = tf.train.CheckpointManager(fresh, str(tmp_path), max_to_keep=2)
+  assert stock.restore_or_initialize() is None  # TF: silently from scratch.
+  mgr = CheckpointManager(fresh, str(tmp_path), max_to_keep=2)
+  with pytest.raises(errors.CheckpointError, match=r"holds checkpoints \(model-3\)") as e:
+    mgr.restore_or_initialize()
+  assert "\n" not in str(e.value)
+  mgr.restore(str(tmp_path / "model-3"))  # What the message says to do works.
+  assert fresh.v.numpy().tolist() == [7.0, 7.0, 7.0]

@@ -34,10 +34,11 @@ def committed(layout: layout_lib.Layout) -> list[str]:
 
 
 def files_of(layout: layout_lib.Layout, prefix: str) -> list[str]:
-  """Paths of the index and data files of checkpoint `prefix`."""
+  """Paths of the index and data files of checkpoint `prefix` (of any name)."""
   base = os.path.basename(prefix)
+  any_name = layout_lib.Layout(layout.directory, None)
   return [os.path.join(layout.directory, f) for f in fs.listdir(layout.directory)
-          if (p := layout.parse(f)) is not None and p.base == base
+          if (p := any_name.parse(f)) is not None and p.base == base
           and p.kind in ("index", "data")]
 
 
@@ -50,11 +51,14 @@ class Catalog:
     latest: the newest checkpoint's prefix (managed or not), or None.
     last_preserved: TF's `last_preserved_timestamp` (hours retention).
     manifests: basename -> Manifest of the tfdp checkpoints among them.
+    unknown: prefixes of checkpoints neither TF's state file nor a tfdp
+      manifest accounts for (kept; see `read`).
   """
   managed: list[retention.Entry]
   latest: str | None
   last_preserved: float
   manifests: dict[str, manifest_lib.Manifest]
+  unknown: list[str] = dataclasses.field(default_factory=list)
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
                                             compare=False)
 
@@ -73,7 +77,7 @@ class Catalog:
       prefixes = {e.prefix for e in self.managed}
       if self.latest is not None:
         prefixes.add(self.latest)
-    return sorted(prefixes, key=layout_lib.number_of, reverse=True)
+    return sorted(prefixes, key=number_of, reverse=True)
 
   def manifest(self, prefix: str) -> manifest_lib.Manifest | None:
     """The manifest of `prefix` (read from disk when not known yet), or None (TF's own)."""
@@ -99,7 +103,7 @@ class Catalog:
           f"Checkpoint {prefix} already exists; it is not overwritten. Save "
           "under another number, or train into a new directory.")
     latest = self.newest()
-    if latest is not None and layout_lib.number_of(prefix) < layout_lib.number_of(latest):
+    if latest is not None and layout_lib.number_of(prefix) < number_of(latest):
       # Retention and latest_checkpoint go by number: a lower one would be
       # dropped as the oldest at once, and a restart would resume the other.
       raise errors.CheckpointError(
@@ -107,6 +111,20 @@ class Catalog:
           f"already in {os.path.dirname(prefix)}. Restore the newest checkpoint "
           "before training on (restore_or_initialize()), train into a new "
           "directory, or delete the newer checkpoints to roll back.")
+
+  def check_nothing_unknown(self) -> None:
+    """Raises CheckpointError when the directory holds checkpoints nothing accounts for.
+
+    Called when nothing could be restored: starting over next to them could
+    silently throw away a run.
+    """
+    if self.unknown:
+      names = ", ".join(os.path.basename(p) for p in self.unknown[-3:])
+      raise errors.CheckpointError(
+          f"{os.path.dirname(self.unknown[0])} holds checkpoints ({names}) that neither TF's "
+          "`checkpoint` state file nor a tfdp manifest names, and nothing else to "
+          "resume from: restore one yourself (manager.restore(path)), or move them "
+          "away to start over.")
 
   def plan(self, prefix: str, number: int, metrics: dict, keep: retention.KeepPolicy,
            hours: retention.KeepEveryNHours) -> retention.Sweep:
@@ -140,16 +158,29 @@ def _state(directory):
     return None
 
 
+def number_of(prefix: str) -> int:
+  """The number of checkpoint `prefix` (`name-<n>`); -1 for a name TF wrote without one."""
+  try:
+    return layout_lib.number_of(prefix)
+  except (IndexError, ValueError):
+    return -1
+
+
 def read(layout: layout_lib.Layout, now: float) -> Catalog:
   """Reads the checkpoints of `layout`'s directory, with TF's rules for its state file.
 
-  A checkpoint listed in TF's `checkpoint` file is managed when it is newer
-  than the last preserved one (as TF decides); one with a tfdp manifest but
-  not listed (a crash between the commit and the state file) is managed when
-  newer too; with no state file, every tfdp checkpoint is. A listed one
-  without a manifest is TF's own: restored and retained like the others.
+  As tf.train.CheckpointManager: the newest checkpoint TF's `checkpoint`
+  file names is the latest, whatever its name (e.g. one
+  `tf.train.Checkpoint.save` wrote, or a manager with another
+  `checkpoint_name`), and a listed one is managed (kept and deleted by
+  retention) when newer than the last preserved one; the others stay. A
+  tfdp checkpoint of this name not listed (a crash between the commit and
+  the state file) is managed when newer too; with no state file, every tfdp
+  checkpoint of this name is. Checkpoints none of this covers are
+  `unknown`: kept, never deleted, and a restore that finds nothing else
+  refuses to start over next to them.
   """
-  found = scan(layout)
+  found = scan(layout_lib.Layout(layout.directory, None))  # Every name.
   usable = {b for b, kinds in found.items()
             if "manifest" in kinds or ("index" in kinds and "corrupt" not in kinds)}
   manifests = {}
@@ -158,11 +189,12 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
       man = manifest_lib.read_manifest(os.path.join(layout.directory, base))
       if man is not None:
         manifests[base] = man
+  ours = {b: m for b, m in manifests.items() if layout.is_checkpoint(b)}
   state = _state(layout.directory)
   entries, latest = {}, None
   if state is None:
     last_preserved = now - 1.0
-    for base, man in manifests.items():
+    for base, man in ours.items():
       entries[base] = man.time
   else:
     last_preserved = min(state.last_preserved_timestamp, now)
@@ -170,23 +202,26 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
     stamps = list(state.all_model_checkpoint_timestamps) or [last_preserved] * len(paths)
     for path, stamp in zip(paths, stamps):
       base = os.path.basename(path)
-      if base in usable and layout.is_checkpoint(base):
+      if base in usable:
         stamp = manifests[base].time if base in manifests else min(stamp, now)
         if stamp > last_preserved:
           entries[base] = stamp
-    for base, man in manifests.items():
+    for base, man in ours.items():
       if base not in entries and man.time > last_preserved:
         entries[base] = man.time
     base = os.path.basename(state.model_checkpoint_path or "")
-    if base in usable and layout.is_checkpoint(base):
+    if base in usable:
       latest = os.path.join(layout.directory, base)
   managed = sorted(
-      (retention.Entry(os.path.join(layout.directory, b), layout_lib.number_of(b), t,
+      (retention.Entry(os.path.join(layout.directory, b), number_of(b), t,
                        manifests[b].metrics if b in manifests else {})
        for b, t in entries.items()), key=lambda e: e.number)
-  if managed and (latest is None or managed[-1].number > layout_lib.number_of(latest)):
+  if managed and (latest is None or managed[-1].number > number_of(latest)):
     latest = managed[-1].prefix
-  return Catalog(managed, latest, last_preserved, manifests)
+  known = set(entries) | set(manifests) | {os.path.basename(latest or "")}
+  unknown = sorted((b for b in usable if b not in known), key=number_of)
+  return Catalog(managed, latest, last_preserved, manifests,
+                 [os.path.join(layout.directory, b) for b in unknown])
 
 
 def write_state(layout: layout_lib.Layout, catalog: Catalog) -> None:

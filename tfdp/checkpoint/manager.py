@@ -339,6 +339,11 @@ class CheckpointManager:
     Args:
       before_restore: optional `fn(prefix)` called before each restore, e.g.
         to refuse a checkpoint of another run; its exceptions propagate.
+
+    Raises:
+      CheckpointError: nothing to restore, but the directory holds
+        checkpoints neither TF's state file nor tfdp accounts for (rather
+        than start over next to them).
     """
     self._wait()
     self.restored_tier = None
@@ -354,6 +359,7 @@ class CheckpointManager:
         return found.prefix
     found = self._restorer.newest_intact(before_restore)
     if found is None:
+      self._catalog.check_nothing_unknown()
       return None
     self._restored(*found)
     self.restored_tier = "persistent"
