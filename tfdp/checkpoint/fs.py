@@ -107,3 +107,14 @@ def remove(path: str) -> None:
 
 def rmtree(path: str) -> None:
   tf.io.gfile.rmtree(path)
+
+
+def free_bytes(path: str) -> int | None:
+  """Bytes free for an unprivileged writer at local `path` (None for object stores, or unknown)."""
+  if not is_local(path):
+    return None
+  try:
+    st = os.statvfs(_local(path))
+  except OSError:
+    return None
+  return st.f_bavail * st.f_frsize

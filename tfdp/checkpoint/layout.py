@@ -159,6 +159,11 @@ class Layout:
   def shard_prefix(tmp_dir: str, worker: int, j: int) -> str:
     return os.path.join(tmp_dir, f"w{worker:05d}-{j:05d}")
 
+  @staticmethod
+  def is_workers(filename: str, worker: int) -> bool:
+    """Whether temp-dir file `filename` is worker `worker`'s (its shards, its marker)."""
+    return filename.startswith(f"w{worker:05d}")
+
   def parse(self, filename: str) -> FileName | None:
     """What `filename` (a basename) is, or None when it is not a checkpoint file."""
     name = ".+?" if self.name is None else re.escape(self.name)

@@ -2,6 +2,7 @@
 
 from concurrent import futures
 import dataclasses
+import errno
 import os
 import time
 
@@ -49,23 +50,67 @@ class SaveJob:
 def run(job: SaveJob) -> manifest_lib.Manifest:
   """Writes this worker's shards, then commits (chief) or waits for the commit.
 
+  A worker that fails before its shards are done removes what it wrote (a
+  job of one writer its whole temp dir); the chief of several leaves a
+  FAILED marker there for the others, removed with the temp dir by the next
+  manager's cleanup.
+
   Returns:
     The committed checkpoint's manifest.
 
   Raises:
-    CheckpointError: a worker did not finish, or the chief failed.
+    CheckpointError: a worker did not finish, the chief failed, or the disk
+      is full (naming the directory, the bytes needed and the bytes free).
   """
+  written = False
   try:
     _write_shards(job)
+    written = True
     return _commit(job) if job.is_chief else _wait_for_commit(job)
   except BaseException as e:
-    if job.is_chief:
+    full = _disk_full(job, e)
+    if not written or job.num_workers == 1:
+      _discard(job)  # After its marker, a worker's shards are the chief's to merge.
+    if job.is_chief and job.num_workers > 1:
       try:
         fs.write_json_atomic(job.layout.failed_path(job.tmp_dir),
-                             {"error": str(e), "time": time.time()})
+                             {"error": str(full or e), "time": time.time()})
       except Exception:  # pylint: disable=broad-except
         pass
+    if full is not None:
+      raise full from None
     raise
+
+
+def _disk_full(job, e) -> errors.CheckpointError | None:
+  """The one-line error of a save that ran out of space, or None for any other failure."""
+  if not (isinstance(e, tf.errors.ResourceExhaustedError)
+          or getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+          or "No space left on device" in str(e)):
+    return None
+  need = sum(it.nbytes for f in job.files for it in f)
+  free = fs.free_bytes(job.layout.directory)
+  return errors.CheckpointError(
+      f"Checkpoint {job.prefix} not saved: {job.layout.directory} is full (this "
+      f"worker's part needs {need / 1e6:.1f} MB, "
+      + (f"{free / 1e6:.1f} MB are free" if free is not None else "free space unknown")
+      + "). Free space or move the directory, then run the same command again; "
+      "the checkpoints committed before are untouched.")
+
+
+def _discard(job):
+  """Removes what this worker wrote of a failed attempt (never anything committed)."""
+  try:
+    if job.num_workers == 1:
+      if fs.exists(job.tmp_dir):
+        fs.rmtree(job.tmp_dir)
+      return
+    for name in fs.listdir(job.tmp_dir):
+      if job.layout.is_workers(name, job.worker):
+        fs.remove(os.path.join(job.tmp_dir, name))
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("tfdp: could not remove the files of a failed save in %s: %s",
+                    job.tmp_dir, e)
 
 
 def _write_file(job, j, items):
