@@ -69,6 +69,15 @@ def test_single_host_kind_with_multi_worker_tf_config(monkeypatch):
     S.make_strategy("mirrored", cpu_replicas=2)
 
 
+def test_multi_worker_after_tensorflow_started_is_one_clear_error(monkeypatch):
+  """TF says "Collective ops must be configured at program startup"; tfdp says what to move."""
+  monkeypatch.setenv("TF_CONFIG", _tf_config(2))
+  tf.constant(1.0)  # TF has started (a dataset or model built before the strategy).
+  with pytest.raises(errors.ConfigError, match="right after the imports, before building any "
+                     "tf.data dataset"):
+    S.make_strategy()
+
+
 def test_hierarchical_copy_across_workers_is_refused():
   with pytest.raises(errors.ConfigError, match="not available across workers"):
     S.communication_options("hierarchical_copy")

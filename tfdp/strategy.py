@@ -253,6 +253,16 @@ class _Request:
 # -- One builder per kind -----------------------------------------------------
 
 
+def _check_tf_not_started() -> None:
+  """Raises ConfigError when TF has started: multi-worker collectives must be configured first."""
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  if context.context()._initialized:  # pylint: disable=protected-access
+    raise errors.ConfigError(
+        "tfdp.make_strategy() must run before TensorFlow starts in a multi-worker job "
+        "(its collectives are configured at start-up): call it right after the "
+        "imports, before building any tf.data dataset, model or tensor.")
+
+
 def _build_multi_worker(r: _Request) -> tf.distribute.Strategy:
   options = communication_options(
       r.all_reduce, timeout_seconds=r.timeout_seconds,
@@ -260,6 +270,7 @@ def _build_multi_worker(r: _Request) -> tf.distribute.Strategy:
   if r.peer_timeout_seconds is not None and r.peer_timeout_seconds <= 0:
     raise errors.ConfigError(
         f"peer_timeout_seconds must be positive, got {r.peer_timeout_seconds!r}.")
+  _check_tf_not_started()
   if r.peer_timeout_seconds:
     _configure_peer_timeout(r.config, r.peer_timeout_seconds)
   if not r.num_gpus and (r.cpu_replicas or 1) > 1:
