@@ -124,7 +124,8 @@ def test_a_multi_worker_environment_without_a_multi_worker_strategy_is_refused(
     cluster.resolve(tf.distribute.get_strategy())
   message = str(e.value)
   assert where in message
-  assert "strategy.scope()" in message and "strategy=" in message, message
+  assert "build and compile the model inside `with strategy.scope():`" in message, message
+  assert "strategy=" in message, message
   assert "worker_index= and num_workers=" in message
 
 

@@ -11,9 +11,10 @@ from tfdp import errors
 
 OPS = ("max", "min", "sum")
 
-_FIX = ("build the tfdp.CheckpointManager (or call this) inside "
-        "`strategy.scope()` of a tf.distribute.MultiWorkerMirroredStrategy, or "
-        "pass strategy=<that strategy>")
+_FIX = ("build and compile the model inside `with strategy.scope():` of "
+        "`strategy = tfdp.make_strategy()` (a MultiWorkerMirroredStrategy; tfdp "
+        "finds it through the model's variables), or pass strategy=<that "
+        "strategy> to the tfdp.CheckpointManager")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ import os
 
 import tensorflow as tf
 
+from tfdp import errors
 from tfdp.checkpoint import layout
 
 # Every function takes a local path or any tf.io.gfile URL. Object stores
@@ -107,6 +108,15 @@ def remove(path: str) -> None:
 
 def rmtree(path: str) -> None:
   tf.io.gfile.rmtree(path)
+
+
+def require_directory(path: str) -> str:
+  """`path`, unless it is a local file (ConfigError: a directory is needed; it is made if missing)."""
+  if is_local(path) and os.path.isfile(_local(path)):
+    raise errors.ConfigError(
+        f"{path} is a file, not a directory: pass a directory for the checkpoints "
+        "(it is created if missing).")
+  return path
 
 
 def free_bytes(path: str) -> int | None:

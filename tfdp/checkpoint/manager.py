@@ -136,7 +136,7 @@ class CheckpointManager:
     self._keep = retention.AnyOf(tuple(policies))
     self._hours = retention.KeepEveryNHours(keep_checkpoint_every_n_hours)
     self._checkpoint = checkpoint
-    self._directory = os.fspath(directory).rstrip("/")
+    self._directory = fs.require_directory(os.fspath(directory).rstrip("/"))
     self._layout = layout_lib.Layout(self._directory, checkpoint_name)
     self._async = async_save
     self._max_shard_bytes = max_shard_bytes
@@ -204,20 +204,15 @@ class CheckpointManager:
   num_workers = property(lambda self: self._me.count, doc="Number of workers.")
   is_chief = property(lambda self: self._me.is_chief, doc="Whether this worker is the chief.")
 
-  @property
-  def local_checkpoint_every_steps(self) -> int | None:
-    """How often the training loop saves to the local tier (None: no local tier or no cadence)."""
-    return self._local.every_steps if self._local is not None else None
-
-  @property
-  def local_directory(self) -> str | None:
-    """This worker's local-tier directory, or None."""
-    return self._local.layout.directory if self._local is not None else None
-
-  @property
-  def local_saves_skipped(self) -> int:
-    """Local saves skipped because the previous one was still being written."""
-    return self._local.skipped if self._local is not None else 0
+  # The local tier (None, 0 and [] without one).
+  local_checkpoint_every_steps = property(
+      lambda self: self._local.every_steps if self._local else None,
+      doc="How often the training loop saves to the local tier (None: no tier or cadence).")
+  local_directory = property(lambda self: self._local.layout.directory if self._local else None,
+                             doc="This worker's local-tier directory.")
+  local_saves_skipped = property(
+      lambda self: self._local.skipped if self._local else 0,
+      doc="Local saves skipped because the previous one was still being written.")
 
   def local_checkpoints(self) -> list[str]:
     """Prefixes of this worker's committed local checkpoints, oldest first."""
@@ -346,24 +341,19 @@ class CheckpointManager:
         than start over next to them).
     """
     self._wait()
-    self.restored_tier = None
+    self.restored_tier = found = None
     if self._local is not None:
       self._local.wait()
-      tiered = recovery.TieredRestore(
+      found = recovery.TieredRestore(
           self._checkpoint, self._local, self._me, self._restorer.restore_per_worker,
-          lambda step: self._local_meta(step, required=False))
-      found = tiered.run(self._restorer.newest_step(), before_restore)
-      if found is not None:
-        self._restored(found.prefix, found.manifest)
-        self.restored_tier = found.tier
-        return found.prefix
-    found = self._restorer.newest_intact(before_restore)
+          lambda step: self._local_meta(step, required=False),
+      ).run(self._restorer.newest_step(), before_restore)
+    found = found or self._restorer.newest_intact(before_restore)
     if found is None:
-      self._catalog.check_nothing_unknown()
       return None
-    self._restored(*found)
-    self.restored_tier = "persistent"
-    return found[0]
+    self._restored(found.prefix, found.manifest)
+    self.restored_tier = found.tier
+    return found.prefix
 
   def restore_or_initialize(self) -> str | None:
     """Restores the newest intact checkpoint, or runs init_fn when there is none.

@@ -173,14 +173,6 @@ def transfer(items: list[planner.Item], source: int, strategy) -> list[planner.I
 
 # -- the protocol --
 
-@dataclasses.dataclass(frozen=True)
-class Restored:
-  """What the tiered restore restored: a local copy, this worker's own or received."""
-  prefix: str
-  manifest: object
-  tier: str  # "local" or "peer"
-
-
 class TieredRestore:
   """Restores the newest state the workers can have from the local tiers (every worker runs it).
 
@@ -211,7 +203,7 @@ class TieredRestore:
     self._restore_per_worker = restore_per_worker
     self._recovered_meta = recovered_meta
 
-  def run(self, persistent_step: int | None, before_restore=None) -> Restored | None:
+  def run(self, persistent_step: int | None, before_restore=None) -> restore_lib.Restored | None:
     """Restores from the local tiers; None: use the persistent tier (nothing was restored)."""
     # tf.train.Checkpoint makes its save counter on the first restore; under
     # a MultiWorkerMirroredStrategy that is a broadcast, so every worker
@@ -236,7 +228,7 @@ class TieredRestore:
       if self._agree(outcome) != _OK:
         continue
       self._log(choice, mine, time.perf_counter() - start, phases)
-      return Restored(mine.prefix, mine.manifest, choice.kind)
+      return restore_lib.Restored(mine.prefix, mine.manifest, choice.kind)
     return None
 
   def _from_peer(self, choice, mine, before_restore, phases):

@@ -1,5 +1,7 @@
 """Restoring a checkpoint: sizes before any read, TF's per-tensor CRC32C on read, per-worker state."""
 
+import dataclasses
+
 from absl import logging
 import tensorflow as tf
 from tensorflow.python.trackable import trackable_utils
@@ -105,6 +107,14 @@ def restore_per_worker(per_worker_ckpt: tf.train.Checkpoint, prefix: str,
         missing, worker)
 
 
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What a restore restored: its prefix, manifest (None: TF's own) and tier."""
+  prefix: str
+  manifest: manifest_lib.Manifest | None
+  tier: str  # "persistent", "local" (each worker's own copy) or "peer".
+
+
 class Restorer:
   """Restores from one checkpoint directory: intact candidates, the verified read, per-worker state, set aside.
 
@@ -175,21 +185,26 @@ class Restorer:
     if self._per_worker is not None:
       restore_per_worker(self._per_worker, prefix, self._me.index, man)
 
-  def newest_intact(self, before_restore=None) -> tuple[str, object] | None:
-    """Restores the newest intact checkpoint; returns (prefix, manifest), or None.
+  def newest_intact(self, before_restore=None) -> Restored | None:
+    """Restores the newest intact checkpoint; None when there is none.
 
     Args:
       before_restore: optional `fn(prefix)` called before each restore; its
         exceptions propagate.
+
+    Raises:
+      CheckpointError: nothing to restore, but the directory holds
+        checkpoints nothing accounts for (see Catalog.check_nothing_unknown).
     """
     for prefix, man in self.candidates():
       try:
         if before_restore is not None:
           before_restore(prefix)
         self.restore(prefix)
-        return prefix, man
+        return Restored(prefix, man, "persistent")
       except errors.CorruptCheckpointError as e:
         logging.warning("tfdp: Skipping a corrupt checkpoint: %s", e)
+    self._catalog.check_nothing_unknown()
     return None
 
   def set_aside(self, prefix: str, error: Exception) -> Exception:

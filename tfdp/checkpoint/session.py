@@ -91,7 +91,7 @@ def start(me: cluster.Worker, layout: layout_lib.Layout, run_id: str | None,
     if total == 0:
       raise errors.CheckpointError(
           f"The chief could not start checkpointing into {layout.directory} "
-          "(its log says why, e.g. another job holds the directory).")
+          "(the chief's error says why).")
     session = f"{total - 1:012x}"
   if not me.is_chief:
     lease_lib.check(layout.lease_path, session, layout.directory, timeout)
