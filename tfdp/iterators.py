@@ -38,11 +38,18 @@ from tfdp import errors
 _PYTHON_STATE = ("PyFunc", "EagerPyFunc", "generator")
 
 
-def _serialize(resource, dataset) -> tf.Tensor:
+def _capture(resource, dataset) -> tf.Tensor:
+  """The iterator's position as the variant tensor tf.data's SerializeIterator returns.
+
+  A snapshot: it holds the buffered elements by reference (tf.data never
+  changes them), so the iterator may run on while something else turns it
+  into bytes (`tf.io.serialize_tensor`, on a checkpoint's writer thread:
+  tfdp.checkpoint.items.writable).
+  """
   policy = dataset.external_state_policy if dataset is not None else (
       options_lib.ExternalStatePolicy.FAIL)
   try:
-    variant = gen_dataset_ops.serialize_iterator(resource, policy.value)
+    return gen_dataset_ops.serialize_iterator(resource, policy.value)
   except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
     reason = re.sub(r"\{\{.*?\}\}\s*", "", e.message.splitlines()[-1]).split(" [Op:")[0].rstrip(".")
     if "symbolic checkpointing" in e.message:
@@ -66,9 +73,20 @@ def _serialize(resource, dataset) -> tf.Tensor:
           "For a bitwise resume use tf.random.stateless_* ops seeded from the "
           "element, or set tf.data.Options().experimental_external_state_policy.",
           reason)
-    variant = gen_dataset_ops.serialize_iterator(
+    return gen_dataset_ops.serialize_iterator(
         resource, options_lib.ExternalStatePolicy.IGNORE.value)
-  return tf.io.serialize_tensor(variant)
+
+
+def _serialize(resource, dataset) -> tf.Tensor:
+  return tf.io.serialize_tensor(_capture(resource, dataset))
+
+
+def _restore(resource, state: tf.Tensor) -> None:
+  """Moves the iterator to `state`: a captured variant, or its bytes (a string tensor)."""
+  if state.dtype == tf.variant:
+    gen_dataset_ops.deserialize_iterator(resource, state)
+  else:
+    _deserialize(resource, state.numpy())
 
 
 def _deserialize(resource, state: bytes) -> None:
@@ -192,16 +210,26 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
     (resource,) = self._resources()
     return _serialize(resource, self._dataset)
 
+  def state_variant(self) -> tf.Tensor:
+    """This worker's position as a variant snapshot, not yet bytes (see `_capture`)."""
+    (resource,) = self._resources()
+    return _capture(resource, self._dataset)
+
   def restore_state(self, state: bytes) -> None:
     """Moves this worker's iterator to a position `state()` returned."""
+    _deserialize(self._resource_of(), state)
+
+  def _resource_of(self):
     (resource,) = self._resources()
-    _deserialize(resource, state)
+    return resource
 
   def _serialize_to_tensors(self):
-    return {"state": self.state_tensor()}
+    # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
+    # turns it into bytes off the training thread.
+    return {"state": self.state_variant()}
 
   def _restore_from_tensors(self, restored_tensors):
-    self.restore_state(restored_tensors["state"].numpy())
+    _restore(self._resource_of(), restored_tensors["state"])
     return []
 
 
@@ -298,8 +326,23 @@ class LocalIterator(iterator_ops.OwnedIterator):
   def state_tensor(self) -> tf.Tensor:
     return _serialize(self._iterator_resource, self._dataset)
 
+  def state_variant(self) -> tf.Tensor:
+    return _capture(self._iterator_resource, self._dataset)
+
+  def _serialize_to_tensors(self):
+    # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
+    # turns it into bytes off the training thread.
+    return {"state": self.state_variant()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    _restore(self._resource_of(), restored_tensors["state"])
+    return []
+
   def restore_state(self, state: bytes) -> None:
     _deserialize(self._iterator_resource, state)
+
+  def _resource_of(self):
+    return self._iterator_resource
 
 
 class LocalDataset(_MakesIterators):

@@ -145,7 +145,7 @@ class DataPosition(trackable_base.Trackable):
       if it is not None:
         made = it._index - 1  # pylint: disable=protected-access
         try:
-          state, kind = it.state_tensor(), "iterator"
+          state, kind = it.state_variant(), "iterator"  # Bytes on the writer.
         except errors.CheckpointError as e:
           kind = "none"
           if not self._warned:

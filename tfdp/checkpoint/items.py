@@ -12,7 +12,10 @@ from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint.planner import OBJECT_GRAPH_KEY
 
 
-def _nbytes(t):
+def nbytes(t) -> int:
+  """Bytes of tensor `t` as a checkpoint holds them (strings: their lengths plus 8 each)."""
+  if t.dtype == tf.variant:
+    return 0  # Unknown until `writable` turns it into bytes.
   if t.dtype == tf.string:
     return int(sum(len(b) for b in np.ravel(t.numpy()))) + 8 * max(
         1, int(np.prod(t.shape)))
@@ -59,7 +62,7 @@ def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
   Raises:
     CheckpointError: an object has a registered saver (not supported).
   """
-  return [Item(key, spec, value, _nbytes(value))
+  return [Item(key, spec, value, nbytes(value))
           for key, spec, value in _tensors(checkpoint, key_prefix, with_object_graph)]
 
 
@@ -104,8 +107,8 @@ class CachedGather:
     if self._fn is None:
       self._trace()
     values = self._fn()
-    return [Item(key, spec, value, _nbytes(value) if nbytes is None else nbytes)
-            for (key, spec, nbytes), value in zip(self._keys, values)]
+    return [Item(key, spec, value, nbytes(value) if size is None else size)
+            for (key, spec, size), value in zip(self._keys, values)]
 
   def check(self, items: list[Item]) -> None:
     """Retraces at the next call when `items` (a full gather) has other keys than the traced ones."""
@@ -142,6 +145,15 @@ class PerWorker:
       return []
     return gather(self.checkpoint, layout_lib.per_worker_prefix(self.worker),
                   with_object_graph=False)
+
+
+def writable(value) -> tf.Tensor:
+  """`value` as the tensor a checkpoint file holds: a variant (an iterator's position) becomes its bytes.
+
+  The writer calls it, so a save's blocking part takes variants as they are.
+  """
+  value = tf.convert_to_tensor(value)
+  return tf.io.serialize_tensor(value) if value.dtype == tf.variant else value
 
 
 def snapshot(items: list[Item]) -> list[Item]:

@@ -1,6 +1,8 @@
 """The local checkpoint tier: each worker's own whole copies in host memory, written in the background."""
 
+import collections
 import dataclasses
+import json
 import time
 import uuid
 
@@ -13,7 +15,6 @@ from tfdp.checkpoint import fs
 from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
-from tfdp.checkpoint import planner
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint import storage
@@ -107,16 +108,19 @@ class LocalTier:
     self.cadence = policy.Cadence(*((policy.EveryNSteps(every_steps),) if every_steps else ()))
     self.token = ""
     self.skipped = 0
+    # (seconds the caller was blocked, the writer thread's CPU seconds) of
+    # the latest saves, newest last: what a save costs, for the cadence.
+    self.costs = collections.deque(maxlen=16)
     self._timeout = timeout
     self._session = ""
-    self._seq = 0
     self._writer = async_writer.AsyncWriter()
+    self._record = None  # The manifest fields that stay the same from save to save.
 
   def start(self, token: str, session: str) -> None:
     """Makes the directory and removes what torn local saves left."""
     self.token, self._session = token, session
     fs.makedirs(self.layout.directory)
-    storage.cleanup(self.layout, session)
+    storage.cleanup(self.layout, session, private=True)
 
   # -- saving --
 
@@ -127,27 +131,56 @@ class LocalTier:
   def save(self, step: int, take, meta: manifest_lib.SaveMeta) -> str | None:
     """Saves local checkpoint `step` of the Items `take()` returns, written in the background.
 
-    Blocks only for `take()` and a host snapshot. Returns the prefix, or None
-    when skipped because the previous save is still being written.
+    Blocks only for `take()`: a snapshot (reads that alias the variables'
+    buffers; TF copies a buffer before the next update writes it) and the
+    variant of an iterator's position. The writer thread turns variants into
+    bytes, writes one file and its index straight under the final name and
+    commits them with a manifest: no temp dir, no merge.
+
+    Returns:
+      The prefix, or None when skipped because the previous save is still
+      being written.
     """
     if self.busy():
       self.skipped += 1
       return None
+    start = time.perf_counter()
     self.wait()
     prefix = self.layout.prefix(step)
     if fs.exists(layout_lib.manifest_path(prefix)):
       return prefix
-    files = [items_lib.snapshot(f) for f in planner.split_for_parallel_write(take())]
-    job = self._job(step, files, meta)
-    self._writer.submit(lambda: (storage.run(job), self.prune()))
-    return job.prefix
+    items = items_lib.snapshot(take())
+    record = self._fields(meta, items)
+    blocked = time.perf_counter() - start
 
-  def write(self, step: int, files, meta: manifest_lib.SaveMeta) -> Held:
+    def write():
+      cpu = time.thread_time()
+      self._write(prefix, items, record)
+      self.prune()
+      self.costs.append((blocked, time.thread_time() - cpu))
+
+    self._writer.submit(write)
+    return prefix
+
+  def write(self, step: int, items, meta: manifest_lib.SaveMeta) -> Held:
     """Writes local checkpoint `step` now (e.g. a copy received from a peer)."""
-    job = self._job(step, files, meta)
-    man = storage.run(job)
+    prefix = self.layout.prefix(step)
+    man = self._write(prefix, items, self._fields(meta, items))
     self.prune()
-    return Held(step, job.prefix, man)
+    return Held(step, prefix, manifest_lib.Manifest.from_json(json.dumps(man)))
+
+  def _write(self, prefix, items, record):
+    return storage.write_whole(prefix, items, record, self.worker)
+
+  def _fields(self, meta, items):
+    """The manifest fields of a save of `items` with `meta`; the static ones made once per key set."""
+    keys = [it.key for it in items]
+    if self._record is None or self._record["files"][0]["tensors"] != keys:
+      self._record = {
+          "files": [{"tensors": keys}], "world_size": self.num_workers,
+          "writers": {str(self.worker): {"files": 1}}, "kept": [],
+          "manifest_version": manifest_lib.MANIFEST_VERSION}
+    return dict(self._record, session=self._session, **dataclasses.asdict(meta))
 
   def wait(self) -> None:
     """Waits for the background save; a failed one is logged (training goes on)."""
@@ -156,17 +189,6 @@ class LocalTier:
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("tfdp: a local checkpoint save failed (training goes on; the "
                       "persistent tier is not affected): %s", e)
-
-  def _job(self, step, files, meta):
-    # Its own sequence: the persistent saves' names their shared temp dir,
-    # which must stay the same on every worker.
-    self._seq += 1
-    save_id = f"{self._session}-local{self._seq:06d}"
-    return storage.SaveJob(
-        layout=self.layout, prefix=self.layout.prefix(step),
-        tmp_dir=self.layout.tmp_dir(save_id, step), save_id=save_id, worker=0,
-        num_workers=1, files=files, timeout=self._timeout, meta=meta,
-        owner=self.worker, world_size=self.num_workers)
 
   # -- what is held --
 

@@ -135,6 +135,12 @@ def write_manifest(prefix: str, manifest: Manifest) -> None:
   fs.write_atomic(layout.manifest_path(prefix), manifest.to_json())
 
 
+def write_manifest_dict(prefix: str, fields: dict) -> None:
+  """`write_manifest` of a manifest given as the dict `Manifest.to_json` makes (no dataclass per save)."""
+  fs.write_atomic(layout.manifest_path(prefix),
+                  json.dumps(dict(fields, format=FORMAT), indent=1, sort_keys=True))
+
+
 def file_checksum(path: str) -> tuple[int, str]:
   """Returns (size, crc32 as 8 hex digits) of the file at `path`."""
   crc = 0

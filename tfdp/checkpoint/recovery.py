@@ -241,7 +241,7 @@ class TieredRestore:
       return mine, _OK
     wrote = time.perf_counter()
     try:
-      mine = self._tier.write(choice.step, planner.split_for_parallel_write(items),
+      mine = self._tier.write(choice.step, items,
                               self._recovered_meta(choice.step))
     except Exception as e:  # pylint: disable=broad-except
       return None, e  # Raised on every worker by the agreement.

@@ -14,6 +14,7 @@ from tfdp import errors
 from tfdp.checkpoint import catalog
 from tfdp.checkpoint import faults
 from tfdp.checkpoint import fs
+from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import planner
@@ -117,9 +118,10 @@ def _write_file(job, j, items):
   """Writes and fsyncs one shard file (TF releases the GIL while it writes)."""
   shard_prefix = job.layout.shard_prefix(job.tmp_dir, job.worker, j)
   with tf.device("/cpu:0"):
+    values = [items_lib.writable(it.value) for it in items]
     gen_io_ops.save_v2(
-        shard_prefix, [it.key for it in items], [it.slice_spec for it in items],
-        [tf.convert_to_tensor(it.value) for it in items])
+        shard_prefix, [it.key for it in items], [it.slice_spec for it in items], values)
+  nbytes = [items_lib.nbytes(v) for v in values]
   data = layout_lib.data_filename(shard_prefix, 0, 1)
   index = layout_lib.index_path(shard_prefix)
   fs.fsync_file(data)
@@ -129,7 +131,9 @@ def _write_file(job, j, items):
       "data": manifest_lib.describe_data_file(data, [it.key for it in items]).to_dict(),
       "index_size": fs.size(index),
       "num_tensors": len(items),
-      "state_bytes": sum(it.nbytes for it in items),
+      "state_bytes": sum(nbytes),
+      "per_worker_bytes": sum(n for it, n in zip(items, nbytes)
+                              if it.key.startswith(layout_lib.PER_WORKER_ROOT + "/")),
   }
 
 
@@ -149,9 +153,48 @@ def _write_shards(job):
       "worker": job.worker, "num_workers": job.num_workers,
       "session": job.save_id, "shards": shards, "time": time.time(),
       "bytes_written": sum(s["data"]["size"] + s["index_size"] for s in shards),
-      "per_worker_bytes": sum(it.nbytes for f in job.files for it in f
-                              if it.key.startswith(layout_lib.PER_WORKER_ROOT + "/"))})
+      "per_worker_bytes": sum(s["per_worker_bytes"] for s in shards)})
   faults.reached("after_marker", job.fault_worker)
+
+
+def write_whole(prefix: str, items: list[planner.Item], record: dict, worker: int) -> dict:
+  """One writer's whole checkpoint straight under `prefix`, committed by its manifest written last.
+
+  No temp dir, no markers, no merge: what a local-tier copy needs. A torn
+  write leaves files without a manifest, which `cleanup(..., private=True)`
+  removes.
+
+  Args:
+    prefix: the checkpoint's final prefix.
+    items: its Items (snapshots; variants become bytes here).
+    record: the manifest's fields that do not change from save to save, as
+      a dict (Manifest.to_json's keys); `files`, sizes, prefix and time are
+      filled in here.
+    worker: the writer's index in the job (named to fault hooks).
+
+  Returns:
+    The manifest written, as a dict.
+  """
+  faults.reached("before_shard", worker)
+  with tf.device("/cpu:0"):
+    values = [items_lib.writable(it.value) for it in items]
+    gen_io_ops.save_v2(prefix, [it.key for it in items], [it.slice_spec for it in items],
+                       values)
+  data, index = layout_lib.data_filename(prefix, 0, 1), layout_lib.index_path(prefix)
+  fs.fsync_file(data)
+  fs.fsync_file(index)
+  for phase in ("after_shard", "after_marker", "during_commit"):  # One writer: one point.
+    faults.reached(phase, worker)
+  files = [manifest_lib.describe_file(index).to_dict(),
+           {"name": os.path.basename(data), "size": fs.size(data),
+            "tensors": record["files"][0]["tensors"] if record.get("files") else
+            [it.key for it in items]}]
+  man = dict(record, prefix=os.path.basename(prefix), time=time.time(), files=files,
+             num_shards=1, total_bytes=files[0]["size"] + files[1]["size"],
+             state_bytes=sum(items_lib.nbytes(v) for v in values))
+  manifest_lib.write_manifest_dict(prefix, man)
+  faults.reached("after_commit", worker)
+  return man
 
 
 def _poll(deadline_s, check, on_timeout):
@@ -270,17 +313,20 @@ def _wait_for_commit(job):
   return _poll(2 * job.timeout, check, timeout)
 
 
-def cleanup(layout: layout_lib.Layout, session: str | None = None) -> None:
+def cleanup(layout: layout_lib.Layout, session: str | None = None,
+            private: bool = False) -> None:
   """Deletes leftovers of torn saves: temp dirs, and files of uncommitted checkpoints.
 
   Index and data files without a manifest are deleted only when a temp dir
   of theirs is left (a save that merged but did not commit) or their
   manifest was set aside as corrupt: files that TF wrote itself (no
-  manifest, no temp dir) are the user's and stay.
+  manifest, no temp dir) are the user's and stay, except in a `private`
+  directory (a local tier's), where every uncommitted file is torn.
 
   Args:
     layout: the checkpoint directory.
     session: temp dirs of this session are in use and kept.
+    private: only tfdp writes into the directory.
   """
   torn = set()
   for sub in fs.listdir(layout.tmp_root):
@@ -297,7 +343,7 @@ def cleanup(layout: layout_lib.Layout, session: str | None = None) -> None:
     kinds = found[parsed.base]
     if parsed.kind == "manifest_tmp" or (
         parsed.kind in ("index", "data") and "manifest" not in kinds and
-        (parsed.base in torn or "corrupt" in kinds)):
+        (private or parsed.base in torn or "corrupt" in kinds)):
       logging.info("tfdp: removing %s (left by a save that did not commit)", fname)
       fs.remove(os.path.join(layout.directory, fname))
 

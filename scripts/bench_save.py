@@ -1,0 +1,184 @@
+"""What one save costs, each cost beside its physical floor measured in the same process.
+
+For a local-tier save, an async persistent save and a sync persistent save
+of the same state (float32 variables, plus optionally a data position: the
+iterator of a tf.data pipeline with a shuffle buffer, as per-worker state):
+
+  blocked     wall time the training thread spends in the save call
+              (median over --saves saves, a training update between them),
+              beside a memcpy of the same bytes into a reused buffer;
+  writer CPU  CPU time of every other thread from the call until the save is
+              committed (process CPU minus the calling thread's), beside the
+              CPU of a raw write of the same bytes (one `os.writev` + fsync);
+  memory      the peak resident memory the saves add (VmHWM after the saves
+              minus before, /proc/self/clear_refs resets it), beside the
+              state's bytes.
+
+Run: .venv/bin/python scripts/bench_save.py [--mb=16] [--data_position] [--out=FILE]
+"""
+
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("mb", ["4", "16", "64"], "State sizes in MB (float32 variables of 1 MB each).")
+flags.DEFINE_integer("saves", 12, "Saves measured per kind (after 2 warm-up saves).")
+flags.DEFINE_list("kinds", ["local", "async", "sync"], "Saves to measure.")
+flags.DEFINE_bool("data_position", True, "Also save a tf.data iterator's position (per worker).")
+flags.DEFINE_integer("shuffle", 10_000, "Shuffle buffer of the data position's pipeline.")
+flags.DEFINE_string("dir", None, "Persistent tier (default: a temp dir on the disk).")
+flags.DEFINE_string("local_root", "/dev/shm", "Local tier (RAM-backed).")
+flags.DEFINE_string("out", None, "Write the results as JSON here.")
+flags.DEFINE_bool("smoke", False, "Tiny sizes, few saves (tests: only checks it runs).")
+
+
+def _process_cpu():
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def _peak_rss_reset():
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:
+    pass
+
+
+def _peak_rss():
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def _floors(nbytes, directory):
+  """(memcpy seconds, raw write+fsync seconds, raw write CPU seconds) of `nbytes`, medians."""
+  src = np.ones(nbytes // 4, np.float32)
+  dst = np.empty_like(src)
+  copies, writes, cpus = [], [], []
+  path = os.path.join(directory, "raw.bin")
+  for _ in range(5):
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    copies.append(time.perf_counter() - t)
+    t, c = time.perf_counter(), time.thread_time()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.writev(fd, [memoryview(src)])
+    os.fsync(fd)
+    os.close(fd)
+    writes.append(time.perf_counter() - t)
+    cpus.append(time.thread_time() - c)
+    os.remove(path)
+  return bench_common.median(copies), bench_common.median(writes), bench_common.median(cpus)
+
+
+class _Position:
+  """A per-worker data position: a checkpointable iterator of a shuffled pipeline, advanced each step."""
+
+  def __init__(self):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from tfdp import iterators  # pylint: disable=g-import-not-at-top
+    ds = (tf.data.Dataset.range(10**9).map(lambda i: (tf.cast(i, tf.float32), i))
+          .shuffle(FLAGS.shuffle, seed=1).batch(32))
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])  # A tf.distribute iterator, as fit's.
+    self.iterator = iter(iterators.checkpointable(ds, strategy))
+    for _ in range(FLAGS.shuffle // 32 + 2):
+      next(self.iterator)
+
+
+def _measure(kind, mb, base):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdp  # pylint: disable=g-import-not-at-top
+  variables = [tf.Variable(tf.random.uniform([1 << 18], seed=i)) for i in range(mb)]
+  step = tf.Variable(0, dtype=tf.int64)
+  ckpt = tf.train.Checkpoint(vars=variables, step=step)
+  position = _Position() if FLAGS.data_position else None
+  work = tempfile.mkdtemp(prefix=f"save-{kind}-{mb}-", dir=base)
+  local = tempfile.mkdtemp(prefix="local-", dir=FLAGS.local_root) if kind == "local" else None
+  mgr = tfdp.CheckpointManager(
+      ckpt, os.path.join(work, "ckpt"), max_to_keep=2, async_save=kind == "async",
+      local_checkpoint_dir=local,
+      per_worker={"data": position.iterator} if position else None)
+
+  @tf.function
+  def train_step():
+    for v in variables:
+      v.assign_add(tf.ones_like(v) * 1e-3)
+    step.assign_add(1)
+
+  blocked, other_cpu = [], []
+  _peak_rss_reset()
+  rss0 = _peak_rss()
+  for i in range(FLAGS.saves + 2):
+    train_step()
+    if position is not None:
+      next(position.iterator)
+    cpu0, thread0 = _process_cpu(), time.thread_time()
+    t = time.perf_counter()
+    if kind == "local":
+      mgr.save_local(int(step.numpy()))
+    else:
+      mgr.save(checkpoint_number=int(step.numpy()))
+    took = time.perf_counter() - t
+    train_step()  # Training goes on while the writer works (copy-on-write).
+    mgr.sync()
+    other = (_process_cpu() - cpu0) - (time.thread_time() - thread0)
+    if i >= 2:
+      blocked.append(took)
+      other_cpu.append(other)
+  peak = _peak_rss() - rss0
+  mgr.close()
+  shutil.rmtree(work, ignore_errors=True)
+  if local:
+    shutil.rmtree(local, ignore_errors=True)
+  return {"blocked_s": bench_common.median(blocked), "writer_cpu_s": bench_common.median(other_cpu),
+          "peak_rss_delta": peak}
+
+
+def main(argv):
+  del argv
+  if FLAGS.smoke:
+    FLAGS.mb, FLAGS.saves, FLAGS.shuffle = ["1"], 2, 256
+  base = tempfile.mkdtemp(prefix="bench_save-", dir=FLAGS.dir)
+  rows = []
+  try:
+    for mb in (int(m) for m in FLAGS.mb):
+      nbytes = mb << 20
+      memcpy, write, write_cpu = _floors(nbytes, base)
+      for kind in FLAGS.kinds:
+        r = _measure(kind, mb, base)
+        row = {"kind": kind, "mb": mb, "memcpy_s": memcpy, "raw_write_s": write,
+               "raw_write_cpu_s": write_cpu, **r,
+               "blocked_over_memcpy": r["blocked_s"] / memcpy,
+               "writer_cpu_budget_s": 0.002 + nbytes / 1e9}
+        rows.append(row)
+        print(f"[bench_save] {kind:5s} {mb:4d} MB: blocked {1e3 * r['blocked_s']:7.2f} ms "
+              f"({row['blocked_over_memcpy']:5.1f}x memcpy {1e3 * memcpy:.2f} ms), writer CPU "
+              f"{1e3 * r['writer_cpu_s']:7.2f} ms (budget {1e3 * row['writer_cpu_budget_s']:.1f}, "
+              f"raw write CPU {1e3 * write_cpu:.2f}), peak RSS +{r['peak_rss_delta'] / 1e6:.1f} MB",
+              flush=True)
+  finally:
+    shutil.rmtree(base, ignore_errors=True)
+  result = {"machine": bench_common.machine(), "data_position": FLAGS.data_position,
+            "shuffle": FLAGS.shuffle, "rows": rows}
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
