@@ -330,3 +330,20 @@ def test_redraws_are_cut_to_the_text_after_the_last_carriage_return():
   pump.run()
   assert stream.getvalue().splitlines() == [
       "[worker 0] Epoch 1/2", "[worker 0] 2/2 ━━━━ loss: 0.5", "[worker 0] whole line"]
+
+
+def test_a_log_record_glued_to_a_redraw_is_a_line_of_its_own():
+  # Keras's bar (stdout) has no newline when absl logs (stderr) on the same pipe.
+  stream = io.StringIO()
+  lines = output.WorkerLines(output.Output(stream, bar_seconds=0), 1)
+  record = "I1201 23:22:29.166696 140516935244672 callbacks.py:12] saved ckpt-8"
+  output.Pump(io.BytesIO(f"\r7/8 ━━ loss: 2.36{record}\n".encode()), 0, lines).run()
+  assert stream.getvalue() == f"[worker 0] 7/8 ━━ loss: 2.36\r[worker 0] {record}\n"
+
+
+def test_a_redraw_is_cut_to_the_terminal_width_not_counting_colour_codes(monkeypatch):
+  monkeypatch.setenv("COLUMNS", "30")
+  text = "\x1b[1m8/64\x1b[0m \x1b[32m" + "━" * 20 + "\x1b[0m 2s 45ms/step - loss: 0.1"
+  fitted = output.Output._fit(text)  # pylint: disable=protected-access
+  assert re.sub(r"\x1b\[[0-9;]*m", "", fitted) == "8/64 " + "━" * 20 + " 2s "
+  assert fitted.startswith("\x1b[1m8/64\x1b[0m \x1b[32m") and fitted.endswith("\x1b[0m")

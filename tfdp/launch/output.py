@@ -14,9 +14,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence, TextIO
 ENV_SHOW_TF_LOGS = "TFDP_SHOW_TF_LOGS"
 
 # A line that repeats one another worker printed is held this long at most,
-# waiting to see whether its worker fails (then it is not printed again): long
-# enough for a worker to exit after printing its error and for the launcher
-# to stop the others, short enough not to delay a healthy worker's lines much.
+# waiting to see whether its worker fails (then it is not printed again).
 REPEAT_HOLD_SECONDS = 3.0
 
 # An error block (a traceback, a usage error) is held this long at most, so that
@@ -34,6 +32,7 @@ _SEEN_KEPT = 4096
 # and as Python's absl writes it (W1201 14:02:15.351870 140258832587648 f.py:234]).
 _ABSL = r"{levels}\d{{4}} [\d:.]+ +\d+ "
 
+
 class Noise(NamedTuple):
   """A known kind of TF/gRPC log line that says nothing when the job succeeds.
 
@@ -50,7 +49,7 @@ def _noise(name, line, continued=None):
   return Noise(name, re.compile(line), re.compile(continued) if continued else None)
 
 
-# Every worker writes these on a healthy run; a failed worker's are printed.
+# Every worker writes these on a healthy run; they are counted when one fails.
 # Each matches one exact message, except TF's C++ INFO lines, which never
 # report an error.
 NOISE = (
@@ -132,18 +131,31 @@ _EXCEPTION = re.compile(r"(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?::.*)?)")
 _USAGE_ERROR = re.compile(r"[\w.-]+: error: (.+)")
 _FATAL = re.compile(_ABSL.format(levels="F") + r"\S+\] (.+)")
 _BLOCK_START = re.compile(re.escape(_TRACEBACK) + r"|usage: .*|" + _USAGE_ERROR.pattern)
-_MESSAGE_CHARS = 500
 
 
-def _one_line(message):
-  message = message.strip()
-  return message if len(message) <= _MESSAGE_CHARS else message[:_MESSAGE_CHARS - 3] + "..."
+def _one_line(message, limit=500):
+  return message.strip()[:limit]
+
+
+# Keras colours its bar; a colour code takes no room on the screen.
+_ANSI = re.compile(r"(\x1b\[[0-9;]*[A-Za-z])")
+# An absl record written (to stderr) while a progress bar (on stdout) had no newline.
+_GLUED = re.compile(_ABSL.format(levels="[IWEF]") + r"[\w.-]+:\d+\] ")
 
 
 def _overwritten(text):
-  """What a terminal shows of a line with `\\r` redraws: the text after the last one."""
+  """(bar, line): what a terminal shows of a line with `\\r` redraws, the text after the last one.
+
+  A log record that follows a redraw on the same line is the line; the
+  redraw before it is the bar, which goes on after it.
+  """
   text = text.rstrip("\r")
-  return text[text.rfind("\r") + 1:]
+  redraw = text.rfind("\r")
+  if redraw < 0:
+    return None, text
+  text = text[redraw + 1:]
+  glued = _GLUED.search(text, 1)
+  return (text[:glued.start()], text[glued.start():]) if glued else (None, text)
 
 
 class _Bar:
@@ -161,12 +173,10 @@ class Output:
   """The launcher's output stream, shared by its own log and the workers' prefixed lines.
 
   `later` may be called from a signal handler: it only queues the line
-  (SimpleQueue.put is reentrant), and the main loop writes it with `flush`.
-  A handler that wrote itself could interrupt a write to the same stream.
-
-  The chief's progress bar (`bar`) is redrawn in place with `\\r`, at most
-  every `bar_seconds`; a line of anything else is written above it on a
-  terminal, and after it (on a line of its own) in a file.
+  (SimpleQueue.put is reentrant), and the main loop writes it with `flush`;
+  a handler that wrote itself could interrupt a write to the same stream.
+  The chief's progress bar (`bar`) is redrawn in place, at most every
+  `bar_seconds`; other lines go above it on a terminal, after it in a file.
   """
 
   def __init__(self, stream: Optional[TextIO] = None, bar_seconds: Optional[float] = None):
@@ -174,8 +184,7 @@ class Output:
     # Reentrant: WorkerLines decides and writes under it.
     self.lock = threading.RLock()
     self._later = queue.SimpleQueue()
-    isatty = getattr(self.stream, "isatty", None)
-    self.tty = bool(isatty and isatty())
+    self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
     self.bar_seconds = (bar_seconds if bar_seconds is not None else
                         BAR_SECONDS_TTY if self.tty else BAR_SECONDS_FILE)
     self._bar = None
@@ -183,13 +192,13 @@ class Output:
   def _write(self, text):
     self.stream.write(text)
     self.stream.flush()
+
   def write_line(self, line: str, index: Optional[int] = None) -> None:
     """Writes `line` (of worker `index`, None: the launcher's) and a newline."""
     with self.lock:
       bar = self._bar
       if bar is None or not bar.shown:
-        if bar is not None and bar.index == index:
-          self._bar = None
+        self._bar = None if bar is not None and bar.index == index else bar
         self._write(line + "\n")
       elif bar.index == index:  # the bar's own line replaces it
         self._bar = None
@@ -203,12 +212,14 @@ class Output:
         bar.shown = False
         self._write("\n" + line + "\n")
 
-  def _fit(self, text):
-    try:
-      width = os.get_terminal_size(self.stream.fileno()).columns
-    except (AttributeError, OSError, ValueError):
-      width = shutil.get_terminal_size().columns
-    return text[:max(width - 1, 20)]
+  @staticmethod
+  def _fit(text):
+    """`text` cut to the terminal's width (a wrapped line cannot be redrawn), colour codes kept."""
+    room, parts = max(shutil.get_terminal_size().columns - 1, 20), []
+    for part in _ANSI.split(text):
+      parts.append(part if _ANSI.fullmatch(part) else part[:room])
+      room -= 0 if _ANSI.fullmatch(part) else len(parts[-1])
+    return "".join(parts) + ("\x1b[0m" if "\x1b[" in text else "")
 
   def bar(self, index: int, text: str, now: Optional[float] = None) -> None:
     """Takes the latest redraw of worker `index`'s progress bar; writes it when due."""
@@ -237,13 +248,10 @@ class Output:
     """Worker `index`'s bar ended: its line follows (it replaces the bar), or with `keep` the bar stays as it is."""
     with self.lock:
       bar = self._bar
-      if bar is None or bar.index != index:
-        return
-      if keep or not bar.shown:
+      if bar is not None and bar.index == index and (keep or not bar.shown):
         self._bar = None
-        if bar.shown:
-          self._write("\n")
-      else:
+        self._write("\n" if bar.shown else "")
+      elif bar is not None and bar.index == index:
         bar.live = False
 
   def log(self, msg: str) -> None:
@@ -295,19 +303,15 @@ class _Worker:
 class WorkerLines:
   """The lines of one group of workers, on their way to an `Output`.
 
-  Three kinds of line are held back instead of printed as they come:
-  - known TF/gRPC noise (`NOISE`): never printed; when the worker or the
-    group fails, one line counts it and names the flag that shows it;
-  - error blocks (a traceback, a usage error, to the worker's later lines):
-    printed once when the group ends or BLOCK_HOLD_SECONDS after they began,
-    with the same block of every other worker, prefixed `[workers 0,1]`;
-  - lines that repeat a line another worker of the group printed (every
-    worker of a job runs the same code): printed as soon as the worker prints
-    a line of its own, or after REPEAT_HOLD_SECONDS, or when it exits 0; not
-    printed again when it fails.
+  Held back instead of printed as they come (with `show_all`, nothing is):
+  - known TF/gRPC noise (`NOISE`): never printed; counted in one line when
+    the worker or the group fails;
+  - error blocks (a traceback or usage error, and the worker's lines after it):
+    printed once with the same block of every other worker (`[workers 0,1]`),
+    when the group ends or BLOCK_HOLD_SECONDS after the block began;
+  - lines that repeat another worker's: printed when the worker prints a line
+    of its own, after REPEAT_HOLD_SECONDS, or when it exits 0; not when it fails.
   "The same" ignores what differs between workers for one event (`same_text`).
-
-  Everything else is printed at once. With `show_all` nothing is held.
   Worker 0's progress bar (`partial`) is forwarded as it redraws.
   """
 
@@ -317,8 +321,7 @@ class WorkerLines:
     self._show_all = show_all
     self._workers = [_Worker() for _ in range(num_workers)]
     self._addresses = list(addresses or [None] * num_workers)
-    # hash(same line) -> the first worker that printed it. Hashes, not lines: a
-    # line can be 100s of KB.
+    # hash(same line) -> the first worker that printed it; a line can be 100s of KB.
     self._seen = {}
     self._blocks_printed = {}  # the key of a printed block -> its workers
     self._finished = False
@@ -329,9 +332,8 @@ class WorkerLines:
 
   @staticmethod
   def _prefix(indices):
-    if len(indices) == 1:
-      return f"[worker {indices[0]}] "
-    return f"[workers {','.join(map(str, indices))}] "
+    return (f"[worker {indices[0]}] " if len(indices) == 1 else
+            f"[workers {','.join(map(str, indices))}] ")
 
   def _write(self, index, text):
     self._output.write_line(self._prefix([index]) + text, index)
@@ -408,17 +410,12 @@ class WorkerLines:
              if w.block is not None and (i == index or self._block_key(i) == key)]
     for i in group:  # what a worker printed before its block comes first
       self._release(i)
-    lines = self._workers[index].block
-    earlier = self._blocks_printed.get(key)
+    lines, earlier = self._workers[index].block, self._blocks_printed.get(key)
     if earlier is not None:
-      self._output.write_line(
-          f"{self._prefix(group)}(the same {len(lines)} line(s) as "
-          f"{self._prefix(earlier).strip()[1:-1]}'s above)")
-    else:
-      prefix = self._prefix(group)
-      for text in lines:
-        self._output.write_line(prefix + text, index if len(group) == 1 else None)
-      self._blocks_printed[key] = group
+      lines = [f"(the same {len(lines)} line(s) as {self._prefix(earlier)[1:-2]}'s above)"]
+    for text in lines:
+      self._output.write_line(self._prefix(group) + text, index if len(group) == 1 else None)
+    self._blocks_printed.setdefault(key, group)
     for i in group:
       self._workers[i].block = self._workers[i].block_since = None
 
@@ -446,9 +443,7 @@ class WorkerLines:
       noise = 0
       for index, worker in enumerate(self._workers):
         worker_failed = codes[index] != 0
-        if failed or worker_failed:
-          noise += worker.noise
-        worker.noise = 0
+        noise, worker.noise = noise + (worker.noise if failed or worker_failed else 0), 0
         if worker.repeats and worker_failed:
           others = sorted({first for _, first in worker.repeats})
           self._output.log(
@@ -471,22 +466,26 @@ class WorkerLines:
 class Pump(threading.Thread):
   """Copies one worker's output to its WorkerLines: whole lines, and the redraws (`\\r`) of the current one."""
 
-  _CHUNK = 1 << 16
-
   def __init__(self, stream, index: int, lines: WorkerLines):
     super().__init__(daemon=True)
     self._stream, self._index, self._lines = stream, index, lines
+
+  def _add(self, text):
+    bar, line = _overwritten(text)
+    if bar:
+      self._lines.partial(self._index, bar)
+    self._lines.add(self._index, line)
 
   def run(self):
     read = getattr(self._stream, "read1", self._stream.read)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     current = ""
     while True:
-      chunk = read(self._CHUNK)
+      chunk = read(1 << 16)
       current += decoder.decode(chunk, final=not chunk)
       *complete, current = current.split("\n")
       for text in complete:
-        self._lines.add(self._index, _overwritten(text))
+        self._add(text)
       redraw = current.rfind("\r")
       if redraw >= 0:  # what comes before a `\r` is drawn over
         current = current[redraw:]
@@ -495,6 +494,6 @@ class Pump(threading.Thread):
       if not chunk:
         break
     if current:
-      self._lines.add(self._index, _overwritten(current))
+      self._add(current)
     self._lines.closed(self._index)
     self._stream.close()
