@@ -97,6 +97,13 @@ NOISE = (
 )
 
 
+def noise_kind(previous: Optional[Noise], text: str) -> Optional[Noise]:
+  """The Noise that line `text` is, given that of the line before it (None: not noise)."""
+  if previous is not None and previous.continued and previous.continued.fullmatch(text):
+    return previous
+  return next((noise for noise in NOISE if noise.line.fullmatch(text)), None)
+
+
 def show_tf_logs(env: Optional[Mapping[str, str]] = None) -> bool:
   """True when ENV_SHOW_TF_LOGS asks for every worker line (anything but unset, '', 0, false, no)."""
   value = (os.environ if env is None else env).get(ENV_SHOW_TF_LOGS, "")
@@ -347,7 +354,7 @@ class WorkerLines:
       if self._show_all or self._finished:
         self._write(index, text)
         return
-      kind = self._noise_kind(worker.last_noise, text)
+      kind = noise_kind(worker.last_noise, text)
       worker.last_noise = kind
       if kind is not None:
         worker.noise += 1
@@ -384,15 +391,6 @@ class WorkerLines:
   def error(self, index: int) -> tuple[Optional[str], Optional[str]]:
     """Worker `index`'s last error message (`Type: message`) and absl FATAL message, or None."""
     return self._workers[index].error, self._workers[index].fatal
-
-  @staticmethod
-  def _noise_kind(previous: Optional[Noise], text: str) -> Optional[Noise]:
-    if previous is not None and previous.continued and previous.continued.fullmatch(text):
-      return previous
-    for noise in NOISE:
-      if noise.line.fullmatch(text):
-        return noise
-    return None
 
   def _release(self, index):
     worker = self._workers[index]
