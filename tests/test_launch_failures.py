@@ -347,3 +347,16 @@ def test_a_redraw_is_cut_to_the_terminal_width_not_counting_colour_codes(monkeyp
   fitted = output.Output._fit(text)  # pylint: disable=protected-access
   assert re.sub(r"\x1b\[[0-9;]*m", "", fitted) == "8/64 " + "━" * 20 + " 2s "
   assert fitted.startswith("\x1b[1m8/64\x1b[0m \x1b[32m") and fitted.endswith("\x1b[0m")
+
+
+def test_a_failed_workers_lines_that_repeat_anothers_are_named_not_printed_again():
+  lines, stream = _lines()
+  lines.add(0, "worker 0: loading shard 0 of /tmp/tmpab12cd34/data")
+  lines.add(1, "worker 1: loading shard 0 of /tmp/tmpzz98yy76/data")  # the same, for worker 1
+  lines.add(0, "worker 0 is ready")
+  lines.finish([0, 1], failed=True)
+  assert stream.getvalue().splitlines() == [
+      "[worker 0] worker 0: loading shard 0 of /tmp/tmpab12cd34/data",
+      "[worker 0] worker 0 is ready",
+      "[tfdp-launch] worker 1's last 1 line(s) are the same as worker 0's above; not printed "
+      "again."]

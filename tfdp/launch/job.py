@@ -48,9 +48,9 @@ class LaunchOptions:
     hosts: the address of each slot (default localhost for all).
     wrapper: argv prefix of each worker, formatted with {slot}, {index}, {host}.
     verbose_workers: print every worker line as it comes; by default (and
-      unless TFDP_SHOW_TF_LOGS=1) known TF/gRPC noise is printed only when
-      its worker or the group fails, and a line that repeats another
-      worker's is not printed again when its worker fails.
+      unless TFDP_SHOW_TF_LOGS=1) known TF/gRPC noise is not printed (one
+      line counts it when the job fails), and an error or line that several
+      workers print is printed once (see `output.WorkerLines`).
   """
   port: Optional[int] = None
   grace_seconds: float = procs.DEFAULT_GRACE_SECONDS
