@@ -65,9 +65,9 @@ def _parser():
   parser.add_argument("--verbose_workers", action="store_true",
                       help="print every worker line as it comes (also: "
                            f"{output.ENV_SHOW_TF_LOGS}=1); by default known "
-                           "TF/gRPC start-up and shutdown noise is printed only "
-                           "when a worker fails, and a failed worker's lines "
-                           "that repeat another worker's are not printed twice")
+                           "TF/gRPC start-up and shutdown noise is not printed "
+                           "(a failed job counts it), and an error that several "
+                           "workers print is printed once")
   return parser
 
 

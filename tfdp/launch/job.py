@@ -48,9 +48,9 @@ class LaunchOptions:
     hosts: the address of each slot (default localhost for all).
     wrapper: argv prefix of each worker, formatted with {slot}, {index}, {host}.
     verbose_workers: print every worker line as it comes; by default (and
-      unless TFDP_SHOW_TF_LOGS=1) known TF/gRPC noise is printed only when
-      its worker or the group fails, and a line that repeats another
-      worker's is not printed again when its worker fails.
+      unless TFDP_SHOW_TF_LOGS=1) known TF/gRPC noise is not printed (one
+      line counts it when the job fails), and an error or line that several
+      workers print is printed once (see `output.WorkerLines`).
   """
   port: Optional[int] = None
   grace_seconds: float = procs.DEFAULT_GRACE_SECONDS
@@ -137,6 +137,8 @@ class _Job:
     self.causes = []
     # Each attempt as goodput.summarize takes it, the chief's record included.
     self.goodput = []
+    # The job's last lines: what failed (one line per kind of failure).
+    self.final_lines = []
 
   def on_signal(self, signum):
     """The signal handler: records, forwards and queues a line; never blocks."""
@@ -152,7 +154,10 @@ class _Job:
     heartbeat_dir = tempfile.mkdtemp(prefix="tfdp-heartbeat-")
     try:
       with signals.forwarding(self.on_signal):
-        return self._attempts(heartbeat_dir)
+        code = self._attempts(heartbeat_dir)
+      for line in self.final_lines:  # last, where a terminal shows them
+        self.log(line)
+      return code
     finally:
       shutil.rmtree(heartbeat_dir, ignore_errors=True)
       self.output.flush()
@@ -257,7 +262,9 @@ class _Job:
     return EXIT_WORKER_FAILED
 
   def _give_up(self, attempt):
-    # The group logged the failure when it happened; this line says what follows.
+    # The group logged the failure when it happened; this line says what follows,
+    # the job's last lines what failed.
+    self.final_lines = self.group.failure_lines(self.group.failure)
     if self.options.max_restarts:
       self.log(f"giving up after {attempt} restart(s) (--max_restarts="
                f"{self.options.max_restarts}); causes: " + "; ".join(self.causes)

@@ -1,9 +1,10 @@
-"""The launcher's output: its own log lines and every worker's lines, prefixed, on one stream; known TF noise held back."""
+"""The launcher's output: its own log and every worker's lines, prefixed, on one stream; TF noise held back, errors once."""
 
-import collections
+import codecs
 import os
 import queue
 import re
+import shutil
 import sys
 import threading
 import time
@@ -13,13 +14,16 @@ from typing import Mapping, NamedTuple, Optional, Sequence, TextIO
 ENV_SHOW_TF_LOGS = "TFDP_SHOW_TF_LOGS"
 
 # A line that repeats one another worker printed is held this long at most,
-# waiting to see whether its worker fails (then it is not printed again): long
-# enough for a worker to exit after printing its error and for the launcher
-# to stop the others, short enough not to delay a healthy worker's lines much.
+# waiting to see whether its worker fails (then it is not printed again).
 REPEAT_HOLD_SECONDS = 3.0
 
-# Held-back noise kept per worker; a worker that logs more keeps its last ones.
-NOISE_KEPT_PER_WORKER = 1000
+# An error block (a traceback, a usage error) is held this long at most, so that
+# the same block of other workers is printed with it once (TF's teardown is slow).
+BLOCK_HOLD_SECONDS = 5.0
+
+# How often the chief's progress bar (`\r` redraws) is forwarded; in a file each one stays.
+BAR_SECONDS_TTY = 0.25
+BAR_SECONDS_FILE = 1.0
 
 # Lines seen per attempt, to recognise a repeat; older ones are forgotten.
 _SEEN_KEPT = 4096
@@ -45,7 +49,7 @@ def _noise(name, line, continued=None):
   return Noise(name, re.compile(line), re.compile(continued) if continued else None)
 
 
-# Every worker writes these on a healthy run; a failed worker's are printed.
+# Every worker writes these on a healthy run; they are counted when one fails.
 # Each matches one exact message, except TF's C++ INFO lines, which never
 # report an error.
 NOISE = (
@@ -93,30 +97,169 @@ NOISE = (
 )
 
 
+def noise_kind(previous: Optional[Noise], text: str) -> Optional[Noise]:
+  """The Noise that line `text` is, given that of the line before it (None: not noise)."""
+  if previous is not None and previous.continued and previous.continued.fullmatch(text):
+    return previous
+  return next((noise for noise in NOISE if noise.line.fullmatch(text)), None)
+
+
 def show_tf_logs(env: Optional[Mapping[str, str]] = None) -> bool:
   """True when ENV_SHOW_TF_LOGS asks for every worker line (anything but unset, '', 0, false, no)."""
   value = (os.environ if env is None else env).get(ENV_SHOW_TF_LOGS, "")
   return value.strip().lower() not in ("", "0", "false", "no")
 
 
+# What differs between workers that print the same thing: absl's time, pid and
+# thread; the worker's own index and address; random temp names and object
+# addresses. Another worker's index, or any other number, still differs.
+_ABSL_HEADER = re.compile(r"([IWEF])\d{4} [\d:.]+ +\d+ ")
+_PER_PROCESS = ((re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x?"),
+                (re.compile(r"\btmp[a-z0-9_]{8}\b"), "tmp?"),
+                (re.compile(r"\b(pid[ =:]?)\d+\b", re.I), r"\1?"))
+
+
+def same_text(text: str, index: int, address: Optional[str] = None) -> str:
+  """`text` of worker `index` with what differs from worker to worker for the same event replaced."""
+  text = _ABSL_HEADER.sub(r"\1 ", text, count=1)
+  if address:
+    text = text.replace(address, "<address>")
+  text = re.sub(rf"\b(worker|task)([ _:=-]?){index}\b", r"\1\2<self>", text, flags=re.I)
+  for pattern, by in _PER_PROCESS:
+    text = pattern.sub(by, text)
+  return text
+
+
+# A worker's error, as its last line says it: Python's traceback ends with
+# `Type: message`; argparse and tfdp's CLIs print `prog: error: message`;
+# absl's FATAL (F...) line comes before a SIGABRT.
+_TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION = re.compile(r"(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?::.*)?)")
+_USAGE_ERROR = re.compile(r"[\w.-]+: error: (.+)")
+_FATAL = re.compile(_ABSL.format(levels="F") + r"\S+\] (.+)")
+_BLOCK_START = re.compile(re.escape(_TRACEBACK) + r"|usage: .*|" + _USAGE_ERROR.pattern)
+
+
+def _one_line(message, limit=500):
+  return message.strip()[:limit]
+
+
+# Keras colours its bar; a colour code takes no room on the screen.
+_ANSI = re.compile(r"(\x1b\[[0-9;]*[A-Za-z])")
+# An absl record written (to stderr) while a progress bar (on stdout) had no newline.
+_GLUED = re.compile(_ABSL.format(levels="[IWEF]") + r"[\w.-]+:\d+\] ")
+
+
+def _overwritten(text):
+  """(bar, line): what a terminal shows of a line with `\\r` redraws, the text after the last one.
+
+  A log record that follows a redraw on the same line is the line; the
+  redraw before it is the bar, which goes on after it.
+  """
+  text = text.rstrip("\r")
+  redraw = text.rfind("\r")
+  if redraw < 0:
+    return None, text
+  text = text[redraw + 1:]
+  glued = _GLUED.search(text, 1)
+  return (text[:glued.start()], text[glued.start():]) if glued else (None, text)
+
+
+class _Bar:
+  """The chief's progress bar: its latest redraw, and whether it is on the screen."""
+
+  def __init__(self, index, now):
+    self.index, self.since = index, now
+    self.text, self.drawn_at = "", None
+    self.pending = False  # a redraw not written yet
+    self.shown = False    # a redraw ends the current line of the stream (no newline after it)
+    self.live = True      # its line has not ended
+
+
 class Output:
   """The launcher's output stream, shared by its own log and the workers' prefixed lines.
 
   `later` may be called from a signal handler: it only queues the line
-  (SimpleQueue.put is reentrant), and the main loop writes it with `flush`.
-  A handler that wrote itself could interrupt a write to the same stream.
+  (SimpleQueue.put is reentrant), and the main loop writes it with `flush`;
+  a handler that wrote itself could interrupt a write to the same stream.
+  The chief's progress bar (`bar`) is redrawn in place, at most every
+  `bar_seconds`; other lines go above it on a terminal, after it in a file.
   """
 
-  def __init__(self, stream: Optional[TextIO] = None):
+  def __init__(self, stream: Optional[TextIO] = None, bar_seconds: Optional[float] = None):
     self.stream = stream or sys.stdout
     # Reentrant: WorkerLines decides and writes under it.
     self.lock = threading.RLock()
     self._later = queue.SimpleQueue()
+    self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+    self.bar_seconds = (bar_seconds if bar_seconds is not None else
+                        BAR_SECONDS_TTY if self.tty else BAR_SECONDS_FILE)
+    self._bar = None
 
-  def write_line(self, line: str) -> None:
+  def _write(self, text):
+    self.stream.write(text)
+    self.stream.flush()
+
+  def write_line(self, line: str, index: Optional[int] = None) -> None:
+    """Writes `line` (of worker `index`, None: the launcher's) and a newline."""
     with self.lock:
-      self.stream.write(line + "\n")
-      self.stream.flush()
+      bar = self._bar
+      if bar is None or not bar.shown:
+        self._bar = None if bar is not None and bar.index == index else bar
+        self._write(line + "\n")
+      elif bar.index == index:  # the bar's own line replaces it
+        self._bar = None
+        self._write(("\r\x1b[K" if self.tty else "\r") + line + "\n")
+      elif not bar.live:  # a bar whose line is not coming stays as it was
+        self._bar = None
+        self._write("\n" + line + "\n")
+      elif self.tty:
+        self._write("\r\x1b[K" + line + "\n" + self._fit(bar.text))
+      else:
+        bar.shown = False
+        self._write("\n" + line + "\n")
+
+  @staticmethod
+  def _fit(text):
+    """`text` cut to the terminal's width (a wrapped line cannot be redrawn), colour codes kept."""
+    room, parts = max(shutil.get_terminal_size().columns - 1, 20), []
+    for part in _ANSI.split(text):
+      parts.append(part if _ANSI.fullmatch(part) else part[:room])
+      room -= 0 if _ANSI.fullmatch(part) else len(parts[-1])
+    return "".join(parts) + ("\x1b[0m" if "\x1b[" in text else "")
+
+  def bar(self, index: int, text: str, now: Optional[float] = None) -> None:
+    """Takes the latest redraw of worker `index`'s progress bar; writes it when due."""
+    now = time.monotonic() if now is None else now
+    with self.lock:
+      if self._bar is None or self._bar.index != index or not self._bar.live:
+        if self._bar is not None:
+          self.end_bar(self._bar.index, keep=True)
+        self._bar = _Bar(index, now)
+      self._bar.text, self._bar.pending = text, True
+      self.tick(now)
+
+  def tick(self, now: Optional[float] = None) -> None:
+    """Writes the bar's latest redraw if it is due: `bar_seconds` after the bar began and after the last one."""
+    now = time.monotonic() if now is None else now
+    with self.lock:
+      bar = self._bar
+      if (bar is None or not bar.pending or not bar.live or now - bar.since < self.bar_seconds
+          or (bar.drawn_at is not None and now - bar.drawn_at < self.bar_seconds)):
+        return
+      redraw = ("\r\x1b[K" if self.tty else "\r") if bar.shown else ""
+      self._write(redraw + (self._fit(bar.text) if self.tty else bar.text))
+      bar.shown, bar.pending, bar.drawn_at = True, False, now
+
+  def end_bar(self, index: Optional[int], keep: bool = False) -> None:
+    """Worker `index`'s bar ended: its line follows (it replaces the bar), or with `keep` the bar stays as it is."""
+    with self.lock:
+      bar = self._bar
+      if bar is not None and bar.index == index and (keep or not bar.shown):
+        self._bar = None
+        self._write("\n" if bar.shown else "")
+      elif bar is not None and bar.index == index:
+        bar.live = False
 
   def log(self, msg: str) -> None:
     """Writes `[tfdp-launch] msg` after any queued lines."""
@@ -137,116 +280,168 @@ class Output:
 
 
 class _Worker:
-  """What WorkerLines holds back of one worker."""
+  """What WorkerLines holds back of one worker, and its last error."""
 
   def __init__(self):
-    self.noise = collections.deque(maxlen=NOISE_KEPT_PER_WORKER)
-    self.noise_dropped = 0
+    self.noise = 0              # noise lines held back (never printed)
     self.last_noise = None      # the Noise of this worker's previous line, if it was one
     self.repeats = []           # (line, the worker it repeats)
     self.repeats_since = None   # monotonic time of the first held repeat
+    self.block = None           # the lines of an error block, held
+    self.block_since = None
+    self.in_traceback = False
+    self.error = None           # the message of its last error
+    self.fatal = None           # its last absl FATAL line
+
+  def track(self, text):
+    """Notes the error that `text` ends, if any."""
+    if text == _TRACEBACK:
+      self.in_traceback = True
+    elif self.in_traceback and text and not text[0].isspace():
+      match = _EXCEPTION.fullmatch(text)
+      if match:  # else a line of another thread; the exception line follows
+        self.error, self.in_traceback = _one_line(match.group(1)), False
+    elif (match := _USAGE_ERROR.fullmatch(text)) is not None:
+      self.error = _one_line(match.group(1))
+    elif (match := _FATAL.fullmatch(text)) is not None:
+      self.fatal = _one_line(match.group(1))
 
 
 class WorkerLines:
   """The lines of one group of workers, on their way to an `Output`.
 
-  Two kinds of line are held back instead of printed as they come:
-  - known TF/gRPC noise (`NOISE`): printed when the worker or the group
-    fails, dropped when it succeeds;
-  - lines that repeat, word for word, a line another worker of the group
-    printed (every worker of a job runs the same code, and fails with the
-    same usage error or traceback): printed as soon as the worker prints a
-    line of its own, or after REPEAT_HOLD_SECONDS, or when it exits 0; not
-    printed again when it fails.
-
-  Everything else is printed at once. With `show_all` nothing is held.
+  Held back instead of printed as they come (with `show_all`, nothing is):
+  - known TF/gRPC noise (`NOISE`): never printed; counted in one line when
+    the worker or the group fails;
+  - error blocks (a traceback or usage error, and the worker's lines after it):
+    printed once with the same block of every other worker (`[workers 0,1]`),
+    when the group ends or BLOCK_HOLD_SECONDS after the block began;
+  - lines that repeat another worker's: printed when the worker prints a line
+    of its own, after REPEAT_HOLD_SECONDS, or when it exits 0; not when it fails.
+  "The same" ignores what differs between workers for one event (`same_text`).
+  Worker 0's progress bar (`partial`) is forwarded as it redraws.
   """
 
-  def __init__(self, output: Output, num_workers: int, show_all: bool = False):
+  def __init__(self, output: Output, num_workers: int, show_all: bool = False,
+               addresses: Optional[Sequence[str]] = None):
     self._output = output
     self._show_all = show_all
     self._workers = [_Worker() for _ in range(num_workers)]
-    # hash(line) -> the first worker that printed it. Hashes, not lines: a Keras
-    # progress bar is one line per epoch of every update, which can be 100s of KB.
-    self._seen = collections.OrderedDict()
+    self._addresses = list(addresses or [None] * num_workers)
+    # hash(same line) -> the first worker that printed it; a line can be 100s of KB.
+    self._seen = {}
+    self._blocks_printed = {}  # the key of a printed block -> its workers
     self._finished = False
 
+  def same(self, index: int, text: str) -> str:
+    """`text` of worker `index` as compared with other workers' (see `same_text`)."""
+    return same_text(text, index, self._addresses[index])
+
   @staticmethod
-  def _prefix(index):
-    return f"[worker {index}] "
+  def _prefix(indices):
+    return (f"[worker {indices[0]}] " if len(indices) == 1 else
+            f"[workers {','.join(map(str, indices))}] ")
+
+  def _write(self, index, text):
+    self._output.write_line(self._prefix([index]) + text, index)
 
   def add(self, index: int, text: str) -> None:
     """Takes one line (no newline) of worker `index`; called by its Pump."""
     with self._output.lock:
-      if self._show_all or self._finished:
-        self._output.write_line(self._prefix(index) + text)
-        return
+      self._output.end_bar(index)
       worker = self._workers[index]
-      kind = self._noise_kind(worker.last_noise, text)
+      worker.track(text)
+      if self._show_all or self._finished:
+        self._write(index, text)
+        return
+      kind = noise_kind(worker.last_noise, text)
       worker.last_noise = kind
       if kind is not None:
-        if len(worker.noise) == worker.noise.maxlen:
-          worker.noise_dropped += 1
-        worker.noise.append(text)
+        worker.noise += 1
         return
-      key = hash(text)
+      if worker.block is not None:
+        worker.block.append(text)
+        return
+      if _BLOCK_START.fullmatch(text):
+        worker.block, worker.block_since = [text], time.monotonic()
+        return
+      key = hash(self.same(index, text))
       first = self._seen.get(key)
       if first is not None and first != index:
-        self._seen.move_to_end(key)
         if not worker.repeats:
           worker.repeats_since = time.monotonic()
         worker.repeats.append((text, first))
         return
       self._release(index)
-      self._output.write_line(self._prefix(index) + text)
-      self._seen[key] = index if first is None else first
-      if len(self._seen) > _SEEN_KEPT:
-        self._seen.popitem(last=False)
+      self._write(index, text)
+      if first is None:
+        if len(self._seen) >= _SEEN_KEPT:
+          del self._seen[next(iter(self._seen))]
+        self._seen[key] = index
 
-  @staticmethod
-  def _noise_kind(previous: Optional[Noise], text: str) -> Optional[Noise]:
-    if previous is not None and previous.continued and previous.continued.fullmatch(text):
-      return previous
-    for noise in NOISE:
-      if noise.line.fullmatch(text):
-        return noise
-    return None
+  def partial(self, index: int, text: str) -> None:
+    """Takes a redraw (after `\\r`) of worker `index`'s current line: the chief's is forwarded."""
+    if index == 0:
+      self._output.bar(index, self._prefix([index]) + text)
+
+  def closed(self, index: int) -> None:
+    """Worker `index`'s output ended: a progress bar of it stays as it was."""
+    self._output.end_bar(index, keep=True)
+
+  def error(self, index: int) -> tuple[Optional[str], Optional[str]]:
+    """Worker `index`'s last error message (`Type: message`) and absl FATAL message, or None."""
+    return self._workers[index].error, self._workers[index].fatal
 
   def _release(self, index):
     worker = self._workers[index]
     for text, _ in worker.repeats:
-      self._output.write_line(self._prefix(index) + text)
+      self._write(index, text)
     worker.repeats, worker.repeats_since = [], None
 
+  def _block_key(self, index):
+    return tuple(self.same(index, text) for text in self._workers[index].block)
+
+  def _print_block(self, index):
+    """Prints worker `index`'s block once with the same blocks of the others."""
+    key = self._block_key(index)
+    group = [i for i, w in enumerate(self._workers)
+             if w.block is not None and (i == index or self._block_key(i) == key)]
+    for i in group:  # what a worker printed before its block comes first
+      self._release(i)
+    lines, earlier = self._workers[index].block, self._blocks_printed.get(key)
+    if earlier is not None:
+      lines = [f"(the same {len(lines)} line(s) as {self._prefix(earlier)[1:-2]}'s above)"]
+    for text in lines:
+      self._output.write_line(self._prefix(group) + text, index if len(group) == 1 else None)
+    self._blocks_printed.setdefault(key, group)
+    for i in group:
+      self._workers[i].block = self._workers[i].block_since = None
+
   def tick(self, now: Optional[float] = None) -> None:
-    """Prints repeats held longer than REPEAT_HOLD_SECONDS; called by the watch loop."""
+    """Prints what was held long enough (repeats, error blocks) and the bar's redraw; called by the watch loop."""
     now = time.monotonic() if now is None else now
     with self._output.lock:
       for index, worker in enumerate(self._workers):
         if worker.repeats and now - worker.repeats_since >= REPEAT_HOLD_SECONDS:
           self._release(index)
+        if worker.block is not None and now - worker.block_since >= BLOCK_HOLD_SECONDS:
+          self._print_block(index)
+      self._output.tick(now)
 
   def finish(self, codes: Sequence[Optional[int]], failed: bool) -> None:
     """After the group ended: prints what its failure needs, drops the rest.
 
     Args:
       codes: every worker's exit code (0: it succeeded).
-      failed: whether the group failed; then every worker's noise is printed,
-        else only that of workers that did not exit 0.
+      failed: whether the group failed; then the noise of every worker is
+        counted, else only that of workers that did not exit 0.
     """
     with self._output.lock:
       self._finished = True
+      noise = 0
       for index, worker in enumerate(self._workers):
         worker_failed = codes[index] != 0
-        if worker.noise and (failed or worker_failed):
-          dropped = (f" (and {worker.noise_dropped} earlier ones not kept)"
-                     if worker.noise_dropped else "")
-          self._output.log(
-              f"worker {index}'s {len(worker.noise)} TF log line(s) held back while it "
-              f"ran{dropped} ({ENV_SHOW_TF_LOGS}=1 or --verbose_workers shows them as they come):")
-          for text in worker.noise:
-            self._output.write_line(self._prefix(index) + text)
-        worker.noise.clear()
+        noise, worker.noise = noise + (worker.noise if failed or worker_failed else 0), 0
         if worker.repeats and worker_failed:
           others = sorted({first for _, first in worker.repeats})
           self._output.log(
@@ -255,16 +450,48 @@ class WorkerLines:
           worker.repeats, worker.repeats_since = [], None
         else:
           self._release(index)
+      while True:
+        held = [(w.block_since, i) for i, w in enumerate(self._workers) if w.block is not None]
+        if not held:
+          break
+        self._print_block(min(held)[1])
+      if noise:
+        self._output.log(
+            f"{noise} TensorFlow log line{'s' if noise > 1 else ''} held back; "
+            f"--verbose_workers or {ENV_SHOW_TF_LOGS}=1 shows them")
 
 
 class Pump(threading.Thread):
-  """Copies one worker's output, line by line, to its WorkerLines."""
+  """Copies one worker's output to its WorkerLines: whole lines, and the redraws (`\\r`) of the current one."""
 
   def __init__(self, stream, index: int, lines: WorkerLines):
     super().__init__(daemon=True)
     self._stream, self._index, self._lines = stream, index, lines
 
+  def _add(self, text):
+    bar, line = _overwritten(text)
+    if bar:
+      self._lines.partial(self._index, bar)
+    self._lines.add(self._index, line)
+
   def run(self):
-    for raw in iter(self._stream.readline, b""):
-      self._lines.add(self._index, raw.decode("utf-8", errors="replace").rstrip("\n"))
+    read = getattr(self._stream, "read1", self._stream.read)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    current = ""
+    while True:
+      chunk = read(1 << 16)
+      current += decoder.decode(chunk, final=not chunk)
+      *complete, current = current.split("\n")
+      for text in complete:
+        self._add(text)
+      redraw = current.rfind("\r")
+      if redraw >= 0:  # what comes before a `\r` is drawn over
+        current = current[redraw:]
+        if len(current) > 1:
+          self._lines.partial(self._index, current[1:])
+      if not chunk:
+        break
+    if current:
+      self._add(current)
+    self._lines.closed(self._index)
     self._stream.close()

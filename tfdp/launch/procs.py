@@ -200,7 +200,8 @@ class Launcher:
     self.heartbeat_dir = heartbeat_dir or tempfile.mkdtemp(prefix="tfdp-heartbeat-")
     self.procs = []
     self.heartbeat_files = []
-    self.lines = WorkerLines(self.output, num_workers, show_all=show_all)
+    self.lines = WorkerLines(self.output, num_workers, show_all=show_all,
+                             addresses=self.cluster["worker"])
     self._pumps = []
     self._stopping = False
     # A signal to the launcher, forwarded: later exits 0 and 75 are no failures.
@@ -215,6 +216,7 @@ class Launcher:
     self.failed_at = None
     self.steps_at_failure = []
     self.ended_at = None
+    self.failure = None  # what `watch` returned
 
   def _argv(self, index):
     if not self.wrapper:
@@ -421,6 +423,7 @@ class Launcher:
     self.lines.finish([0 if c == EXIT_PREEMPTED else c for c in self.codes()],
                       failed=failure is not None and failure.kind != "preempted")
     self.cleanup()
+    self.failure = failure
     return failure
 
   def wait(self, poll_seconds: float = POLL_SECONDS) -> Optional[str]:
@@ -431,6 +434,34 @@ class Launcher:
     """
     failure = self.watch(poll_seconds)
     return failure.message if failure else None
+
+  def failure_lines(self, failure: Failure) -> list[str]:
+    """One line per kind of failure, `worker N failed: <its error>`, the blamed worker's last.
+
+    A worker's error is its last error line (Python's `Type: message`, a
+    CLI's `prog: error: message`); without one, how it ended. Another worker
+    counts when it printed an error and ended neither 0 nor as a consequence.
+    Workers whose errors differ only in what differs between workers (see
+    `output.same_text`) share a line.
+    """
+    codes = self.codes()
+    kinds = {}  # the error as compared -> [its text, its workers]
+    for i in [j for j in range(len(codes)) if j != failure.index] + [failure.index]:
+      error, fatal = self.lines.error(i)
+      if i == failure.index:
+        code = codes[i]
+        if failure.kind == "hang":
+          error = failure.message.split(" ", 2)[2]
+        elif code is not None and (code < 0 or not error):  # a signal: what killed it
+          error = describe_exit(code).removeprefix("was ") + (f" ({fatal})" if fatal else "")
+      elif codes[i] in (None, 0, EXIT_PEER_LOST, EXIT_PREEMPTED):
+        continue
+      if error:
+        key = self.lines.same(i, error)
+        kind = kinds.pop(key, [error, []])  # popped: the blamed kind ends up last
+        kinds[key] = [error if i == failure.index else kind[0], kind[1] + [i]]
+    return [f"worker{'s' if len(workers) > 1 else ''} {','.join(map(str, sorted(workers)))} "
+            f"failed: {text}" for text, workers in kinds.values()]
 
   def codes(self) -> list[Optional[int]]:
     """The exit code of every worker (None while running)."""
