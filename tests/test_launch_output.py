@@ -101,17 +101,16 @@ def test_known_noise_is_hidden_when_the_job_succeeds():
   assert "held back" not in out
 
 
-def test_known_noise_is_printed_once_when_a_worker_fails():
+def test_known_noise_of_a_failed_job_is_one_count_line():
   code, out = _launch(NOISE + ["step 1 done by {pid}"], [0, 3])
   assert code == launch.EXIT_WORKER_FAILED, out
-  for i in range(2):  # the job failed: worker 0's noise too, although it exited 0
-    lines = _worker_lines(out, i)
-    own = f"step 1 done by {1000 + i}"
-    assert lines[0] == own and lines.count(own) == 1, out
-    assert lines[1:] == [n.format(pid=1000 + i) for n in NOISE], out
-    assert (f"worker {i}'s {len(NOISE)} TF log line(s) held back while it ran "
-            f"({output.ENV_SHOW_TF_LOGS}=1 or --verbose_workers") in out, out
+  for i in range(2):  # the job failed: worker 0's noise counts too, although it exited 0
+    assert _worker_lines(out, i) == [f"step 1 done by {1000 + i}"], out
+  count = (f"[tfdp-launch] {2 * len(NOISE)} TensorFlow log lines held back; --verbose_workers "
+           f"or {output.ENV_SHOW_TF_LOGS}=1 shows them")
+  assert out.splitlines().count(count) == 1, out
   assert out.index("worker 1 exited with code 3") < out.index("held back"), out
+  assert out.splitlines()[-1] == "[tfdp-launch] worker 1 failed: exited with code 3", out
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
@@ -142,10 +141,13 @@ def test_an_error_that_every_worker_hits_is_printed_once(worker, capsys):
   assert code == launch.EXIT_WORKER_FAILED, out
   error = ("train: error: unrecognized arguments: --no_such_flag=1" if worker is _BAD_FLAG
            else "ValueError: boom: bad config")
-  assert sum(l.endswith(error) for l in out.splitlines()) == 1, out
+  lines = out.splitlines()
+  assert sum(l.endswith(error) for l in lines if not l.startswith("[tfdp-launch]")) == 1, out
+  assert f"[workers 0,1] {error}" in lines, out  # printed once, naming both workers
   assert out.count("exited with code") == 1, out
-  assert "line(s) are the same as worker" in out, out
-  assert out.splitlines()[-1] == "[tfdp-launch] job failed; exit code 1.", out
+  message = error.split("train: error: ")[-1]
+  assert lines[-2:] == ["[tfdp-launch] job failed; exit code 1.",
+                        f"[tfdp-launch] workers 0,1 failed: {message}"], out
 
 
 def test_identical_lines_of_workers_that_succeed_are_all_printed():
@@ -168,25 +170,15 @@ def test_a_usage_error_of_the_launcher_is_printed_once(argv, error, capsys):
 def test_held_repeats_keep_their_order_and_are_released_in_time():
   stream = io.StringIO()
   lines = output.WorkerLines(output.Output(stream), 2)
-  lines.add(0, "Traceback (most recent call last):")
-  lines.add(1, "Traceback (most recent call last):")  # a repeat: held
-  lines.add(1, "its own line")                        # releases it, in order
-  lines.add(1, "Traceback (most recent call last):")  # held again
-  lines.tick(now=1e12)                                # far past REPEAT_HOLD_SECONDS
+  # (A traceback would be an error block, held and merged: tests/test_launch_failures.py.)
+  lines.add(0, "loading the dataset")
+  lines.add(1, "loading the dataset")  # a repeat: held
+  lines.add(1, "its own line")         # releases it, in order
+  lines.add(1, "loading the dataset")  # held again
+  lines.tick(now=1e12)                 # far past REPEAT_HOLD_SECONDS
   assert stream.getvalue().splitlines() == [
-      "[worker 0] Traceback (most recent call last):",
-      "[worker 1] Traceback (most recent call last):",
+      "[worker 0] loading the dataset",
+      "[worker 1] loading the dataset",
       "[worker 1] its own line",
-      "[worker 1] Traceback (most recent call last):"]
+      "[worker 1] loading the dataset"]
 
-
-def test_a_noisy_worker_keeps_its_last_noise_lines(monkeypatch):
-  monkeypatch.setattr(output, "NOISE_KEPT_PER_WORKER", 3)
-  stream = io.StringIO()
-  lines = output.WorkerLines(output.Output(stream), 1)
-  for i in range(5):
-    lines.add(0, NOISE[1].format(pid=i))
-  lines.finish([1], failed=True)
-  text = stream.getvalue()
-  assert "worker 0's 3 TF log line(s) held back while it ran (and 2 earlier ones not kept)" in text
-  assert [l.split()[4] for l in text.splitlines()[1:]] == ["2", "3", "4"], text
