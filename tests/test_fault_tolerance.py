@@ -97,7 +97,7 @@ def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_pat
   assert all("was killed by SIGKILL" in l for l in restarts), restarts
   assert "job finished after 5 restart(s)" in out
   # The replaced host got the newest local step from its peer.
-  assert re.search(r"recovered step \d+ from worker 0 through collectives", out), out[-5000:]
+  assert re.search(r"recovered step \d+ from worker 0 over the side channel", out), out[-5000:]
   line = next(l for l in out.splitlines() if "[tfdp-launch] goodput " in l)
   print(line)
   recomputed = int(re.search(r"(\d+) steps? recomputed", line).group(1))

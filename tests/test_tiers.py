@@ -1,4 +1,4 @@
-"""The local checkpoint tier in one process: the choice of what to restore, exact transfer, fallbacks."""
+"""The local checkpoint tier in one process: the choice of what to restore, what peers send, fallbacks."""
 
 import os
 import shutil
@@ -8,19 +8,24 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from tfdp import cluster
 from tfdp import errors
 from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import items as items_lib
+from tfdp.checkpoint import local as local_lib
+from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint import peers
 from tfdp.checkpoint import planner
 from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint import recovery
 
 
-def _row(persistent, *held):
-  """An `offer` row: held = (step, required) pairs, newest first."""
+def _row(persistent, *held, kept=()):
+  """An `offer` row: held = (step, required) pairs, newest first; kept: steps of the left neighbour's per-worker state."""
   row = [0.0 if persistent is None else persistent + 1.0]
   for i in range(recovery.LOCAL_KEEP):
     row += [held[i][0] + 1.0, float(held[i][1])] if i < len(held) else [0.0, 0.0]
-  return row
+  return row + [kept[i] + 1.0 if i < len(kept) else 0.0 for i in range(recovery.LOCAL_KEEP)]
 
 
 @pytest.mark.parametrize("rows,expected", [
@@ -45,39 +50,83 @@ def _row(persistent, *held):
     ([_row(40, (40, 0)), _row(40)], ("persistent", None, ())),
     # A fresh run: a local copy and no persistent checkpoint yet.
     ([_row(None, (5, 0)), _row(None)], ("peer", 5, (0,))),
+    # Required per-worker state that the lost worker's neighbour kept: peer,
+    # with it (worker 1's state is kept by worker 0 = 1 + 1 mod 2).
+    ([_row(20, (35, 1), (30, 1), kept=(35, 30)), _row(20)], ("peer", 35, (0,), True)),
+    # ... only for the steps it kept.
+    ([_row(20, (35, 1), (30, 1), kept=(30,)), _row(20)], ("peer", 30, (0,), True)),
+    # Three workers, worker 2 lost: worker 0 keeps its state.
+    ([_row(20, (35, 1), kept=(35,)), _row(20, (35, 1)), _row(20)], ("peer", 35, (0, 1), True)),
+    ([_row(20, (35, 1)), _row(20, (35, 1), kept=(35,)), _row(20)], ("persistent", None, ())),
 ])
 def test_the_workers_choose_the_newest_state_they_can_have(rows, expected):
   choice = recovery.choose(np.array(rows))
-  assert (choice.kind, choice.step, choice.holders) == expected
+  got = (choice.kind, choice.step, choice.holders)
+  assert (got + (True,) if choice.per_worker else got) == expected
 
 
-def test_transfer_is_bitwise_exact_for_every_dtype_and_strings():
-  """One all-reduce per tensor over 2 replicas, replica 0 the source: -0.0, NaN payloads, odd dtypes."""
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-  values = {
-      "f32": tf.constant([-0.0, 0.0, 1.5, np.nan, -np.inf], tf.float32),
-      "f64": tf.constant([-0.0, 1e-300], tf.float64),
-      "f16": tf.constant([-0.0, 65504.0, 1e-7], tf.float16),
-      "bf16": tf.constant([-0.0, 3.0], tf.bfloat16),
-      "i8": tf.constant([-128, 127], tf.int8),
-      "u8": tf.constant([0, 255], tf.uint8),
-      "i32": tf.constant([-(2 ** 31), 2 ** 31 - 1], tf.int32),
-      "i64": tf.constant([-(2 ** 63), 2 ** 63 - 1], tf.int64),
-      "bool": tf.constant([True, False]),
-      "str": tf.constant(b"{\"run\": 1}\x00\xff"),
-      "strs": tf.constant([b"", b"abc", b"\x00" * 9]),
-  }
-  items = [planner.Item(k, "", v, 0) for k, v in sorted(values.items())]
-  items.append(planner.Item(planner.OBJECT_GRAPH_KEY, "", tf.constant(b"graph"), 0))
-  out = {it.key: it.value for it in recovery.transfer(items, 0, strategy)}
-  for key, value in values.items():
-    got = tf.convert_to_tensor(out[key])
-    assert got.dtype == value.dtype and got.shape == value.shape, key
-    if value.dtype == tf.string:
-      assert np.array(got.numpy()).tolist() == np.array(value.numpy()).tolist(), key
-    else:
-      assert got.numpy().tobytes() == value.numpy().tobytes(), key
-  assert out[planner.OBJECT_GRAPH_KEY].numpy() == b"graph"  # Not sent: the receiver's own.
+_VALUES = {
+    "f32": tf.constant([-0.0, 0.0, 1.5, np.nan, -np.inf], tf.float32),
+    "f64": tf.constant([-0.0, 1e-300], tf.float64),
+    "f16": tf.constant([-0.0, 65504.0, 1e-7], tf.float16),
+    "bf16": tf.constant([-0.0, 3.0], tf.bfloat16),
+    "i8": tf.constant([-128, 127], tf.int8),
+    "u8": tf.constant([0, 255], tf.uint8),
+    "i32": tf.constant([-(2 ** 31), 2 ** 31 - 1], tf.int32),
+    "i64": tf.constant([-(2 ** 63), 2 ** 63 - 1], tf.int64),
+    "bool": tf.constant([True, False]),
+    "str": tf.constant(b"{\"run\": 1}\x00\xff"),
+    "strs": tf.constant([b"", b"abc", b"\x00" * 9]),
+}
+
+
+def _assert_bitwise(got, value, key):
+  got = tf.convert_to_tensor(got)
+  assert got.dtype == value.dtype and got.shape == value.shape, key
+  if value.dtype == tf.string:
+    assert np.array(got.numpy()).tolist() == np.array(value.numpy()).tolist(), key
+  else:
+    assert got.numpy().tobytes() == value.numpy().tobytes(), key
+
+
+def test_per_worker_tensors_cross_the_side_channel_bitwise_for_every_dtype():
+  """-0.0, NaN payloads, odd dtypes and strings: what a neighbour keeps and sends back."""
+  description, blobs = peers.tensors_to_wire(_VALUES)
+  out = peers.tensors_from_wire(description, [bytes(b) for b in blobs])
+  for key, value in _VALUES.items():
+    _assert_bitwise(out[key], value, key)
+
+
+def test_a_copy_sent_by_a_peer_becomes_this_workers_own_and_restores_bitwise(tmp_path):
+  """The holder's files as they are, plus this worker's per-worker state (from its neighbour), merged."""
+  holder = local_lib.LocalTier(layout_lib.Layout(str(tmp_path / "w0"), "ckpt"),
+                               cluster.Worker(0, 2), 5, 60)
+  receiver = local_lib.LocalTier(layout_lib.Layout(str(tmp_path / "w1"), "ckpt"),
+                                 cluster.Worker(1, 2), 5, 60)
+  for tier in (holder, receiver):
+    tier.start("token", "session")
+  state = {k: tf.Variable(v) for k, v in _VALUES.items() if v.dtype != tf.string}
+  ckpt = tf.train.Checkpoint(**state)
+  items = items_lib.gather(ckpt)
+  items.append(planner.Item(layout_lib.per_worker_prefix(0) + "data", "",
+                            tf.constant(b"holder's position"), 0))
+  meta = manifest_lib.SaveMeta.new(7, 7, None, None, ["data"], tier="local", run_token="token")
+  holder.save(7, lambda: items, lambda: meta)
+  holder.wait()
+  (prefix,) = holder.committed()
+  description, blobs = peers.files_to_wire(holder.files_of(prefix))
+  header = dict(description, manifest=manifest_lib.read_manifest(prefix).to_json())
+  own = {"data": tf.constant(b"receiver's position")}
+  held = receiver.receive(7, header, [bytes(b) for b in blobs], own)
+  assert held.prefix == str(tmp_path / "w1" / "ckpt-7") and receiver.held()[0].step == 7
+  manifest_lib.verify(held.prefix)
+  fresh = {k: tf.Variable(tf.zeros_like(v)) for k, v in state.items()}
+  restore_lib.restore_verified(tf.train.Checkpoint(**fresh), held.prefix, held.manifest)
+  for key, value in state.items():
+    _assert_bitwise(fresh[key], value, key)
+  reader = tf.train.load_checkpoint(held.prefix)
+  assert reader.get_tensor(layout_lib.per_worker_prefix(1) + "data") == b"receiver's position"
+  assert not [f for f in os.listdir(tmp_path / "w1") if f.startswith("received")]
 
 
 class _Run:

@@ -13,6 +13,7 @@ from tfdp import goodput
 from tfdp import preemption
 from tfdp import resume as resume_lib
 from tfdp import state as state_lib
+from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import retention
 from tfdp.checkpoint.manager import CheckpointManager
@@ -78,12 +79,14 @@ class BackupAndRestore(keras.callbacks.Callback):
       positions cannot be split over another topology); otherwise such a
       resume raises ConfigError.
     local_checkpoint_dir, local_checkpoint_every_steps: a second, local tier
-      saved every N steps on each host (in RAM under /dev/shm by default),
-      as `tfdp.CheckpointManager`'s: a resume takes the newest step any
-      worker holds; a worker that lost its copy gets it from the others by
-      collectives (not when the data position of plain `fit` is in it: then
-      the newest step every worker holds, else the persistent tier). The
-      local copies are deleted when training completes.
+      saved every N steps (or "auto": as often as `checkpoint_overhead`
+      allows) on each host, in RAM under /dev/shm by default, as
+      `tfdp.CheckpointManager`'s: a resume takes the newest step any worker
+      holds; a worker that lost its copy gets it from a peer, and its data
+      position from its neighbour, which keeps a copy. The local copies are
+      deleted when training completes.
+    checkpoint_overhead: with "auto", the share of the training time the
+      local saves may cost.
 
   Raises:
     ValueError (a `tfdp.errors.ConfigError`): an empty backup_dir or an
@@ -107,7 +110,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                max_shard_bytes: int | None = None, save_at_end: bool = False,
                keep_best=None, restart_epoch_data: bool = False,
                local_checkpoint_dir: str | None = None,
-               local_checkpoint_every_steps: int | None = None):
+               local_checkpoint_every_steps: int | str | None = None,
+               checkpoint_overhead: float = local_lib.DEFAULT_OVERHEAD):
     super().__init__()
     if not backup_dir:
       raise errors.ConfigError("Empty `backup_dir` argument passed to BackupAndRestore.")
@@ -125,12 +129,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.restart_epoch_data = restart_epoch_data
     self.local_checkpoint_dir = local_checkpoint_dir
     self.local_checkpoint_every_steps = local_checkpoint_every_steps
+    self.checkpoint_overhead = checkpoint_overhead
     self._cadence = policy.Cadence(
         *(() if save_freq is False else (policy.from_save_freq(save_freq),)),
         policy.OnPreemption(), *((policy.AtTrainEnd(),) if save_at_end else ()))
-    self._local_cadence = policy.Cadence(
-        *((policy.EveryNSteps(local_checkpoint_every_steps),)
-          if local_checkpoint_every_steps else ()))
     self._metrics = {}
     self._goodput = None
     self.state = None
@@ -174,7 +176,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         keep_best=self.keep_best, per_worker={resume_lib.DATA_KEY: self.position.data},
         strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"),
         local_checkpoint_dir=self.local_checkpoint_dir,
-        local_checkpoint_every_steps=self.local_checkpoint_every_steps)
+        local_checkpoint_every_steps=self.local_checkpoint_every_steps,
+        checkpoint_overhead=self.checkpoint_overhead)
     # Its TensorBoard scalars would bring back a backup_dir deleted at the end.
     self._goodput = goodput.Recorder(self.backup_dir, chief=self.manager.is_chief,
                                      tensorboard=not self.delete_checkpoint)
@@ -284,7 +287,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     step = state_lib.global_step(self.model)
     self._first_epoch_done = skipped
     self._cadence.start(step)
-    self._local_cadence.start(step)
 
   def on_epoch_begin(self, epoch, logs=None):
     step = state_lib.global_step(self.model)
@@ -298,7 +300,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     step = state_lib.global_step(self.model)
     self.position.batch_end(step)
     self._save_if(self._cadence, step, advance=True)
-    if self._local_cadence.due(step):
+    if self.manager.local_due(step):
       start = time.perf_counter()
       self.manager.save_local(step)
       self._goodput.blocked(time.perf_counter() - start, "local")

@@ -30,6 +30,7 @@ class Worker:
       worker without one, and when the caller gave index and count).
     task: (TF task type, task id), when known, e.g. ("worker", 1).
     peers: the other training tasks, as (task type, task id) pairs.
+    addresses: every worker's `host:port` by index, when known.
   """
 
   index: int
@@ -38,6 +39,7 @@ class Worker:
   strategy: Any = None
   task: tuple[str, int] | None = None
   peers: tuple[tuple[str, int], ...] = ()
+  addresses: tuple[str, ...] = ()
 
   @property
   def is_chief(self) -> bool:
@@ -98,8 +100,14 @@ def _from_strategy(strategy) -> Worker:
     address = None
   peers = tuple((job, i) for job in spec.jobs if job in environment.TASK_TYPES
                 for i in range(spec.num_tasks(job)) if (job, i) != (task_type, task_id))
-  index = environment.worker_index(task_type, task_id, spec.as_dict())
-  return Worker(index, int(count), address, strategy, (task_type, task_id), peers)
+  cluster_dict = spec.as_dict()
+  index = environment.worker_index(task_type, task_id, cluster_dict)
+  addresses = [None] * int(count)
+  for job in environment.TASK_TYPES:
+    for i, a in enumerate(cluster_dict.get(job, [])):
+      addresses[environment.worker_index(job, i, cluster_dict)] = a
+  return Worker(index, int(count), address, strategy, (task_type, task_id), peers,
+                tuple(addresses))
 
 
 def _unwrap(obj):

@@ -89,6 +89,15 @@ def _restore(resource, state: tf.Tensor) -> None:
     _deserialize(resource, state.numpy())
 
 
+def _take(iterator, n: int) -> None:
+  """Takes `n` elements from a tf.data iterator (fewer when it ends), replaying a position."""
+  for _ in range(n):
+    try:
+      iterator.get_next()
+    except (tf.errors.OutOfRangeError, StopIteration):
+      return
+
+
 def _deserialize(resource, state: bytes) -> None:
   gen_dataset_ops.deserialize_iterator(resource, tf.io.parse_tensor(state, tf.variant))
 
@@ -223,6 +232,11 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
     (resource,) = self._resources()
     return resource
 
+  def skip_steps(self, steps: int) -> None:
+    """Takes what `steps` training steps take from this worker's iterator (one element per local replica)."""
+    (worker,) = self._iterators
+    _take(worker._iterator, steps * len(worker._devices))  # pylint: disable=protected-access
+
   def _serialize_to_tensors(self):
     # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
     # turns it into bytes off the training thread.
@@ -243,10 +257,14 @@ class _MakesIterators:
     self._pending = None
     self._lock = threading.Lock()
 
-  def set_pending(self, state: bytes | None, iterators_made: int) -> None:
-    """The next iterator made starts at `state` (None: fresh), as the `iterators_made`+1-th."""
+  def set_pending(self, state: bytes | None, iterators_made: int, skip_steps: int = 0) -> None:
+    """The next iterator made starts at `state` (None: fresh), as the `iterators_made`+1-th.
+
+    Then it takes `skip_steps` steps' elements (a position saved as an
+    earlier state plus the steps since).
+    """
     with self._lock:
-      self._pending = (state, iterators_made)
+      self._pending = (state, iterators_made, skip_steps)
 
   def __iter__(self):
     if not tf.executing_eagerly():
@@ -259,8 +277,10 @@ class _MakesIterators:
       while self.iterators_made < pending[1]:
         self._make()
     it = self._make()
-    if pending is not None and pending[0]:
-      it.restore_state(pending[0])
+    if pending is not None:
+      if pending[0]:
+        it.restore_state(pending[0])
+      it.skip_steps(pending[2])
     return it
 
   def _make(self):
@@ -343,6 +363,10 @@ class LocalIterator(iterator_ops.OwnedIterator):
 
   def _resource_of(self):
     return self._iterator_resource
+
+  def skip_steps(self, steps: int) -> None:
+    """Takes what `steps` training steps take (one element each)."""
+    _take(self, steps)
 
 
 class LocalDataset(_MakesIterators):

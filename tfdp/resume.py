@@ -1,6 +1,7 @@
 """Where a resumed Keras run continues: what a backup records of its position, read back once into a `Resume`."""
 
 import dataclasses
+import time
 
 from absl import logging
 import tensorflow as tf
@@ -9,6 +10,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tfdp import cluster
 from tfdp import errors
 from tfdp import fit_hooks
+from tfdp import state as state_lib
 
 # Name of the completed-epoch counter a backup holds (Keras's callback keeps
 # the same number in its training metadata).
@@ -115,12 +117,33 @@ class Position:
     self.step_in_epoch.assign(0)
 
 
+# A position is saved as a whole iterator state taken at some step plus the
+# steps since (replayed at restore). Taking the whole state costs what
+# tf.data's SerializeIterator costs for the pipeline's buffers (about 10 us
+# per buffered tensor: 100+ ms for a shuffle(10_000) of small examples), so
+# it is taken again only once this share of the time since the last one
+# would pay for it, and at most every REPLAY_MAX_STEPS steps.
+CAPTURE_BUDGET = 0.01
+REPLAY_MAX_STEPS = 2000
+
+
+@dataclasses.dataclass
+class _Base:
+  """A whole iterator state taken at `step`, of `iterator`."""
+  iterator: object
+  state: tf.Tensor  # The variant: bytes are made by the checkpoint's writer.
+  step: int
+  seconds: float  # What taking it cost.
+  time: float
+
+
 class DataPosition(trackable_base.Trackable):
   """A backup's per-worker part: where this worker's training data is.
 
   Saved with every backup (each worker under its own key, in the same commit
-  as the variables, taken at the same step); restored into the iterator the
-  resumed `fit` makes first.
+  as the variables, taken at the same step) as an iterator state plus the
+  steps taken since it; restored into the iterator the resumed `fit` makes
+  first, which then replays those steps' elements.
   """
 
   def __init__(self, callback):
@@ -128,6 +151,7 @@ class DataPosition(trackable_base.Trackable):
     self.restored = None
     self.kind = "none"
     self._warned = False
+    self._base = None
 
   @property
   def tfdp_required(self) -> bool:
@@ -137,7 +161,7 @@ class DataPosition(trackable_base.Trackable):
   def _serialize_to_tensors(self):
     cb = self._callback
     run = fit_hooks.current(cb.model) if cb.model is not None else None
-    state, made, kind = tf.constant(b""), 0, "none"
+    state, made, kind, skip = tf.constant(b""), 0, "none", 0
     if run is not None and run.dataset is not None:
       at_epoch_end = int(cb.position.step_in_epoch.numpy()) == 0
       it = run.next_iterator(at_epoch_end=at_epoch_end)
@@ -145,7 +169,8 @@ class DataPosition(trackable_base.Trackable):
       if it is not None:
         made = it._index - 1  # pylint: disable=protected-access
         try:
-          state, kind = it.state_variant(), "iterator"  # Bytes on the writer.
+          base = self._base_for(it, state_lib.global_step(cb.model))
+          state, kind, skip = base.state, "iterator", state_lib.global_step(cb.model) - base.step
         except errors.CheckpointError as e:
           kind = "none"
           if not self._warned:
@@ -153,7 +178,18 @@ class DataPosition(trackable_base.Trackable):
             logging.warning("tfdp: backups will not hold the data position: %s", e)
     self.kind = kind
     return {"state": state, "made": tf.constant(made, tf.int64),
-            "kind": tf.constant(kind)}
+            "kind": tf.constant(kind), "skip": tf.constant(skip, tf.int64)}
+
+  def _base_for(self, it, step: int) -> _Base:
+    """The whole state to save this position against: the last one taken, or a new one when due."""
+    base, now = self._base, time.perf_counter()
+    if (base is None or base.iterator is not it or step < base.step
+        or step - base.step > REPLAY_MAX_STEPS
+        or base.seconds < CAPTURE_BUDGET * (now - base.time)):
+      start = time.perf_counter()
+      variant = it.state_variant()
+      base = self._base = _Base(it, variant, step, time.perf_counter() - start, now)
+    return base
 
   def _restore_from_tensors(self, restored_tensors):
     self.restored = {k: v.numpy() for k, v in restored_tensors.items()}
@@ -199,7 +235,7 @@ def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool
     logging.warning("tfdp: %s; the interrupted epoch restarts from its first batch.", reason)
     return 0
   run.dataset.set_pending(position["state"] if position["kind"] == b"iterator" else None,
-                          int(position["made"]))
+                          int(position["made"]), int(position.get("skip", 0)))
   run.skip_steps(resume.step_in_epoch)
   logging.info("Resuming the data at step %d of epoch %d.", resume.step_in_epoch,
                (resume.epoch or 0) + 1)

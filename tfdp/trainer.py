@@ -24,6 +24,7 @@ from tfdp import strategy as strategy_lib
 from tfdp import summaries
 from tfdp import training
 from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import policy
 from tfdp.checkpoint import retention
 
 
@@ -54,7 +55,8 @@ class TrainConfig:
   model_dir: str | None = None
   checkpoint_every_steps: int | None = None
   async_checkpoint: bool = False
-  local_checkpoint_every_steps: int | None = None
+  local_checkpoint_every_steps: int | str | None = None
+  checkpoint_overhead: float = 0.02
   local_checkpoint_dir: str | None = None
   max_to_keep: int | None = 5
   max_shard_bytes: int | None = None
@@ -94,9 +96,10 @@ class TrainConfig:
     if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 0:
       raise errors.ConfigError(
           f"--checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}.")
-    if self.local_checkpoint_every_steps is not None and self.local_checkpoint_every_steps < 1:
-      raise errors.ConfigError(
-          f"--local_checkpoint_every_steps must be >= 1, got {self.local_checkpoint_every_steps}.")
+    try:
+      self.local_checkpoint_every_steps = policy.every_steps(self.local_checkpoint_every_steps)
+    except errors.ConfigError as e:
+      raise errors.ConfigError(f"--{e}") from None
     if (self.local_checkpoint_every_steps or self.local_checkpoint_dir) and not self.model_dir:
       raise errors.ConfigError(
           "--local_checkpoint_every_steps and --local_checkpoint_dir need --model_dir "
@@ -283,6 +286,7 @@ def run(config):
         max_shard_bytes=config.max_shard_bytes, save_at_end=True,
         local_checkpoint_dir=config.local_checkpoint_dir,
         local_checkpoint_every_steps=config.local_checkpoint_every_steps,
+        checkpoint_overhead=config.checkpoint_overhead,
         keep_best=config.keep_best_spec())
     resumed = backup.restore(model)
   start_step = resumed.step

@@ -1,6 +1,8 @@
 """What a save writes: a checkpoint's tensors as planner Items, and their host snapshot."""
 
+import collections
 import dataclasses
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -147,13 +149,30 @@ class PerWorker:
                   with_object_graph=False)
 
 
+# The bytes of the last variants written: a data position is saved against
+# the same iterator state for many saves (tfdp.resume), made into bytes once.
+_bytes_of = collections.OrderedDict()
+_bytes_lock = threading.Lock()
+
+
 def writable(value) -> tf.Tensor:
   """`value` as the tensor a checkpoint file holds: a variant (an iterator's position) becomes its bytes.
 
   The writer calls it, so a save's blocking part takes variants as they are.
   """
   value = tf.convert_to_tensor(value)
-  return tf.io.serialize_tensor(value) if value.dtype == tf.variant else value
+  if value.dtype != tf.variant:
+    return value
+  with _bytes_lock:
+    hit = _bytes_of.get(id(value))
+  if hit is not None and hit[0] is value:
+    return hit[1]
+  out = tf.io.serialize_tensor(value)
+  with _bytes_lock:
+    _bytes_of[id(value)] = (value, out)  # Holds `value`, so its id stays its own.
+    while len(_bytes_of) > 4:
+      _bytes_of.popitem(last=False)
+  return out
 
 
 def snapshot(items: list[Item]) -> list[Item]:

@@ -31,6 +31,8 @@ PER_WORKER_ROOT = "_tfdp_per_worker"
 # temp dir; one directory per persistent directory, one folder per worker.
 DEFAULT_LOCAL_ROOT = "/dev/shm/tfdp-local"
 _WORKER_DIR = "worker-{}"
+# Inside a worker's local folder: the per-worker states it keeps of a peer.
+_PEER_DIR = "peer-{}"
 
 KINDS = ("index", "data", "manifest", "manifest_tmp", "corrupt")
 _KIND_RE = (r"(?P<kind>index|data-\d+-of-\d+|manifest\.json|manifest\.json"
@@ -79,6 +81,19 @@ def default_local_root(directory: str) -> str:
 def local_worker_dir(root: str, worker: int) -> str:
   """Worker `worker`'s folder of the local tier at `root` (workers of one host share the root)."""
   return os.path.join(os.fspath(root).rstrip("/"), _WORKER_DIR.format(worker))
+
+
+def peer_dir(worker_dir: str, source: int) -> str:
+  """Where a worker keeps worker `source`'s per-worker states (inside its local folder)."""
+  return os.path.join(worker_dir, _PEER_DIR.format(source))
+
+
+def peer_sources(worker_dir: str) -> list[int]:
+  """The workers whose per-worker states `worker_dir` holds (a local listing; no TF)."""
+  prefix = _PEER_DIR.format("")
+  names = os.listdir(worker_dir) if os.path.isdir(worker_dir) else []
+  return sorted(int(n[len(prefix):]) for n in names
+                if n.startswith(prefix) and n[len(prefix):].isdigit())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +156,10 @@ class Layout:
   def keras_path(self) -> str:
     """The `.keras` file tfdp-train writes at the end of a run."""
     return os.path.join(self.directory, KERAS_FILENAME)
+
+  def received(self, step: int) -> str:
+    """Where a local tier puts a copy a peer sent before it makes it its own (see LocalTier.receive)."""
+    return os.path.join(self.directory, f"received-{self.name}-{step}")
 
   def local(self, root: str | None, worker: int) -> "Layout":
     """The layout of worker `worker`'s local tier at `root` (None: the default root)."""

@@ -8,6 +8,7 @@ import uuid
 
 from absl import logging
 
+from tfdp import cluster
 from tfdp import errors
 from tfdp.checkpoint import async_writer
 from tfdp.checkpoint import catalog
@@ -15,6 +16,8 @@ from tfdp.checkpoint import fs
 from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint import peers
+from tfdp.checkpoint import planner
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint import storage
@@ -22,6 +25,11 @@ from tfdp.checkpoint import storage
 # Local checkpoints each worker keeps: the newest and the one before, so a
 # crash during a local save leaves the previous one.
 LOCAL_KEEP = 2
+# With local_checkpoint_every_steps="auto": the share of the training time
+# local saves may cost (their blocked time and their writer's CPU), and how
+# often (in steps) the workers measure and agree on the interval again.
+DEFAULT_OVERHEAD = 0.02
+AGREE_EVERY_STEPS = 25
 
 
 def ensure_token(layout: layout_lib.Layout) -> str:
@@ -54,27 +62,32 @@ def read_token(layout: layout_lib.Layout, timeout: float) -> str:
     time.sleep(0.05)
 
 
-def make(layout: layout_lib.Layout, directory: str | None, every_steps: int | None, me,
-         timeout: float) -> "LocalTier | None":
+def make(layout: layout_lib.Layout, directory: str | None, every_steps, me, timeout: float,
+         overhead: float = DEFAULT_OVERHEAD) -> "LocalTier | None":
   """The local tier of the persistent `layout` for worker `me`, or None when not asked for.
 
+  Args:
+    layout: the persistent directory's layout.
+    directory: the local root (None: the default, under /dev/shm).
+    every_steps: an int, "auto" (as often as `overhead` allows), or None.
+    me: this worker.
+    timeout: seconds to wait for peers.
+    overhead: with "auto", the share of the training time saves may cost.
+
   Raises:
-    ConfigError: a negative cadence, or several workers without a strategy
-      (they agree on the newest state through its collectives).
+    ConfigError: a bad cadence or overhead, or several workers without a
+      strategy (they agree on the newest state through its collectives).
   """
+  every_steps = policy.every_steps(every_steps)
   if directory is None and not every_steps:
     return None
-  if every_steps is not None and every_steps < 0:
-    raise errors.ConfigError(
-        f"local_checkpoint_every_steps={every_steps}: pass a positive number of steps.")
   if me.count > 1 and me.strategy is None:
     raise errors.ConfigError(
         "The local checkpoint tier needs a MultiWorkerMirroredStrategy with "
         f"{me.count} workers: the workers agree on the newest state and "
         "recover lost copies through its collectives. Build the manager under "
         "strategy.scope() or pass strategy=.")
-  return LocalTier(layout.local(directory, me.index), me.index, me.count, every_steps or None,
-                   timeout)
+  return LocalTier(layout.local(directory, me.index), me, every_steps, timeout, overhead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +106,26 @@ class LocalTier:
 
   Args:
     layout: this worker's local layout (`Layout.local(root, worker)`).
-    worker, num_workers: this worker in the job.
-    every_steps: how often the training loop saves locally (None: when
-      the caller says).
-    timeout: seconds a save may wait (a local save waits for nobody).
+    me: this worker (`tfdp.cluster.Worker`).
+    every_steps: how often the training loop saves locally: an int, "auto"
+      (see `due`), or None (when the caller says).
+    timeout: seconds a restore waits for its peers.
+    overhead: with "auto", the share of the training time saves may cost.
   """
 
-  def __init__(self, layout: layout_lib.Layout, worker: int, num_workers: int,
-               every_steps: int | None, timeout: float):
+  def __init__(self, layout: layout_lib.Layout, me, every_steps, timeout: float,
+               overhead: float = DEFAULT_OVERHEAD):
     self.layout = layout
-    self.worker = worker
-    self.num_workers = num_workers
+    self.me = me
+    self.worker = me.index
+    self.num_workers = me.count
     self.every_steps = every_steps
-    self.cadence = policy.Cadence(*((policy.EveryNSteps(every_steps),) if every_steps else ()))
+    self._auto = policy.EveryAutoSteps(overhead) if every_steps == "auto" else None
+    rule = self._auto or (policy.EveryNSteps(every_steps) if every_steps else None)
+    self._cadence = policy.Cadence(*((rule,) if rule else ()))
+    self._window = policy.Cadence(policy.EveryNSteps(AGREE_EVERY_STEPS))
+    self._window_start = None  # (time, step, blocked so far) where the window began.
+    self._blocked_total = 0.0
     self.token = ""
     self.skipped = 0
     # (seconds the caller was blocked, the writer thread's CPU seconds) of
@@ -115,6 +135,55 @@ class LocalTier:
     self._session = ""
     self._writer = async_writer.AsyncWriter()
     self._record = None  # The manifest fields that stay the same from save to save.
+    self.link = None  # The side channel to the other workers (tfdp.checkpoint.peers).
+
+  def connect(self) -> None:
+    """Opens the side channel (every worker at the same point: it agrees on the ports)."""
+    if self.num_workers > 1:
+      self.link = peers.PeerLink(
+          self.me, peers.PeerCopies(self.layout.directory, self.layout.name, LOCAL_KEEP))
+
+  @property
+  def interval(self) -> int | None:
+    """The steps between local saves now (with "auto": the agreed one)."""
+    return self._auto.interval if self._auto else self.every_steps
+
+  def due(self, step: int) -> bool:
+    """Whether the training loop saves locally after `step` (every worker calls it at every step).
+
+    With "auto", every AGREE_EVERY_STEPS steps the workers measure what a
+    save cost (its blocked time plus its writer's CPU, the median of the
+    last ones) against the time a step took in the window, and agree (one
+    small all-reduce, the largest proposal) on the smallest interval within
+    the overhead budget; before the first window, every step.
+    """
+    if self._auto is not None:
+      self._retune(step)
+    return self._cadence.due(step)
+
+  def _retune(self, step):
+    now = time.perf_counter()
+    if self._window_start is None:
+      self._window.start(step)
+      self._window_start = (now, step, self._blocked_total)
+      return
+    if not self._window.due(step):
+      return
+    t0, s0, blocked0 = self._window_start
+    self._window_start = (now, step, self._blocked_total)
+    costs = sorted(b + w for b, w in self.costs)
+    cost = costs[len(costs) // 2] if costs else None
+    step_seconds = max(0.0, now - t0 - (self._blocked_total - blocked0)) / max(1, step - s0)
+    proposal = (self._auto.interval if cost is None
+                else self._auto.interval_for(cost, step_seconds))
+    if self.me.count > 1:
+      proposal = int(cluster.agree(proposal, "max", self.me.strategy))
+    if proposal != self._auto.interval:
+      self._auto.interval = proposal
+      if self.me.is_chief:
+        logging.info("tfdp: local saves every %d step(s): a save costs %.1f ms (blocked plus "
+                     "its writer's CPU), a step %.1f ms, the budget is %.0f%%.", proposal,
+                     1e3 * (cost or 0.0), 1e3 * step_seconds, 100 * self._auto.budget)
 
   def start(self, token: str, session: str) -> None:
     """Makes the directory and removes what torn local saves left."""
@@ -128,7 +197,7 @@ class LocalTier:
     """Whether a save is being written (a new one would be skipped)."""
     return self._writer.running()
 
-  def save(self, step: int, take, meta: manifest_lib.SaveMeta) -> str | None:
+  def save(self, step: int, take, meta) -> str | None:
     """Saves local checkpoint `step` of the Items `take()` returns, written in the background.
 
     Blocks only for `take()`: a snapshot (reads that alias the variables'
@@ -136,6 +205,11 @@ class LocalTier:
     variant of an iterator's position. The writer thread turns variants into
     bytes, writes one file and its index straight under the final name and
     commits them with a manifest: no temp dir, no merge.
+
+    Args:
+      step: the global step.
+      take: `fn()` -> the Items to save.
+      meta: `fn()` -> the save's SaveMeta, called after `take`.
 
     Returns:
       The prefix, or None when skipped because the previous save is still
@@ -150,27 +224,79 @@ class LocalTier:
     if fs.exists(layout_lib.manifest_path(prefix)):
       return prefix
     items = items_lib.snapshot(take())
-    record = self._fields(meta, items)
+    record = self._fields(meta(), items)  # After take(): what it took decides some fields.
     blocked = time.perf_counter() - start
+    self._blocked_total += blocked
 
     def write():
       cpu = time.thread_time()
       self._write(prefix, items, record)
       self.prune()
+      if self.link is not None:
+        self._replicate(step, items)
       self.costs.append((blocked, time.thread_time() - cpu))
 
     self._writer.submit(write)
     return prefix
 
-  def write(self, step: int, items, meta: manifest_lib.SaveMeta) -> Held:
-    """Writes local checkpoint `step` now (e.g. a copy received from a peer)."""
-    prefix = self.layout.prefix(step)
-    man = self._write(prefix, items, self._fields(meta, items))
-    self.prune()
-    return Held(step, prefix, manifest_lib.Manifest.from_json(json.dumps(man)))
-
   def _write(self, prefix, items, record):
     return storage.write_whole(prefix, items, record, self.worker)
+
+  def _replicate(self, step, items):
+    """Sends this worker's per-worker state of the save at `step` to its neighbour."""
+    root = layout_lib.per_worker_prefix(self.worker)
+    own = {it.key[len(root):]: items_lib.writable(it.value) for it in items
+           if it.key.startswith(root)}
+    if own:
+      self.link.replicate(step, own, token=self.token, world_size=self.num_workers)
+
+  def kept_for_left(self) -> list[int]:
+    """Steps of the per-worker states this worker keeps of its left neighbour (of this run)."""
+    if self.link is None:
+      return []
+    out = []
+    for step in self.link.copies.steps(self.link.left):
+      found = self.link.copies.get(self.link.left, step)
+      if found is not None and found[0].get("token") == self.token and (
+          found[0].get("world_size") == self.num_workers):
+        out.append(step)
+    return out
+
+  def files_of(self, prefix: str) -> list[str]:
+    """The index and data files of local copy `prefix`."""
+    return catalog.files_of(self.layout, prefix)
+
+  def receive(self, step: int, header: dict, blobs, own: dict | None) -> Held:
+    """Makes a copy a peer sent (its files and manifest) this worker's local copy of `step`.
+
+    With `own` (this worker's per-worker tensors, kept by its neighbour), they
+    are written as a second shard and merged in, as a save would have held them.
+    """
+    prefix = self.layout.prefix(step)
+    man = json.loads(header["manifest"])
+    tmp = self.layout.received(step)
+    for name, blob in zip(header["files"], blobs):
+      suffix = name[len(man["prefix"]):]
+      with open(tmp + suffix, "wb") as f:
+        f.write(blob)
+    shards = [(tmp, [k for f in man["files"] for k in f.get("tensors") or ()])]
+    if own:
+      root = layout_lib.per_worker_prefix(self.worker)
+      items = [planner.Item(root + k, "", v, items_lib.nbytes(v)) for k, v in sorted(own.items())]
+      storage.write_shard(tmp + "-own", items)
+      shards.append((tmp + "-own", [it.key for it in items]))
+    record = dict(self._fields_from(man), per_worker_required=own is not None)
+    written = storage.merge_whole(shards, prefix, record, self.worker)
+    for path in catalog.files_of(layout_lib.Layout(self.layout.directory, None), tmp):
+      fs.remove(path)
+    self.prune()
+    return Held(step, prefix, manifest_lib.Manifest.from_json(json.dumps(written)))
+
+  def _fields_from(self, man: dict) -> dict:
+    """A peer's manifest, made this worker's (its writer, session, no files yet)."""
+    drop = ("prefix", "time", "files", "num_shards", "total_bytes", "state_bytes", "format")
+    return dict({k: v for k, v in man.items() if k not in drop}, session=self._session,
+                writers={str(self.worker): {"files": 1}})
 
   def _fields(self, meta, items):
     """The manifest fields of a save of `items` with `meta`; the static ones made once per key set."""
@@ -240,3 +366,5 @@ class LocalTier:
     self.wait()
     for prefix in catalog.committed(self.layout):
       self.delete(prefix)
+    if self.link is not None:
+      self.link.copies.drop()

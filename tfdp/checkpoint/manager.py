@@ -92,9 +92,13 @@ class CheckpointManager:
       background, the newest LOCAL_KEEP (2) kept. Restores then take the
       newest state any worker can have (see restore_newest_intact).
     local_checkpoint_every_steps: how often the training loop saves locally
-      (read by callers: tfdp.callbacks, and `save()` with `step_counter`,
-      which also saves locally whenever the step reaches or crosses a
-      multiple of it).
+      (asked through `local_due(step)`, by tfdp.callbacks and by `save()`
+      with a `step_counter`): an int N (whenever the step reaches or
+      crosses a multiple of N), or "auto": as often as `checkpoint_overhead`
+      allows, down to every step, measured as training goes and agreed by
+      the workers.
+    checkpoint_overhead: with "auto", the share of the training time the
+      local saves may cost (blocked time plus their writer's CPU).
 
   Raises:
     ConfigError: a bad argument, or a cluster without a strategy.
@@ -114,7 +118,8 @@ class CheckpointManager:
                global_batch_size: int | None = None, commit_timeout: float = 300.0,
                verify_on_restore: bool = True, keep_every_n_hours: float | None = None,
                local_checkpoint_dir: str | None = None,
-               local_checkpoint_every_steps: int | None = None):
+               local_checkpoint_every_steps: int | str | None = None,
+               checkpoint_overhead: float = local_lib.DEFAULT_OVERHEAD):
     if not isinstance(checkpoint, tf.train.Checkpoint):
       raise errors.ConfigError(
           f"checkpoint must be a tf.train.Checkpoint, got {type(checkpoint)}; "
@@ -157,7 +162,8 @@ class CheckpointManager:
     self._uncommitted_count = None  # save_counter before a save not yet committed.
     self._gather = items_lib.CachedGather(checkpoint)
     self._local = local_lib.make(self._layout, local_checkpoint_dir,
-                                 local_checkpoint_every_steps, self._me, self._timeout)
+                                 local_checkpoint_every_steps, self._me, self._timeout,
+                                 checkpoint_overhead)
     started = session_lib.start(self._me, self._layout, run_id, self._timeout,
                                 tiers=self._local is not None)
     self._session = started.id
@@ -165,6 +171,7 @@ class CheckpointManager:
                                    started.lease)
     if self._local is not None:
       self._local.start(started.token, started.id)
+      self._local.connect()
     self._catalog = catalog_lib.read(self._layout, time.time())
     self._restorer = restore_lib.Restorer(checkpoint, self._layout, self._catalog, self._me,
                                           self._per_worker.checkpoint, verify_on_restore,
@@ -207,7 +214,13 @@ class CheckpointManager:
   # The local tier (None, 0 and [] without one).
   local_checkpoint_every_steps = property(
       lambda self: self._local.every_steps if self._local else None,
-      doc="How often the training loop saves to the local tier (None: no tier or cadence).")
+      doc="How often the training loop saves to the local tier (an int, 'auto' or None).")
+  local_interval = property(lambda self: self._local.interval if self._local else None,
+                            doc="The steps between local saves now (with 'auto': agreed).")
+
+  def local_due(self, step: int) -> bool:
+    """Whether the training loop saves locally after `step`; every worker asks at every step."""
+    return self._local is not None and self._local.due(step)
   local_directory = property(lambda self: self._local.layout.directory if self._local else None,
                              doc="This worker's local-tier directory.")
   local_saves_skipped = property(
@@ -296,7 +309,7 @@ class CheckpointManager:
         raise errors.ConfigError("save_local() needs step= or the manager's step_counter.")
       step = self._step_counter
     step = _number(step)
-    return self._local.save(step, self._local_items, self._local_meta(step))
+    return self._local.save(step, self._local_items, lambda: self._local_meta(step))
 
   def drop_local(self) -> None:
     """Deletes this worker's local copies (e.g. once training completed and the persistent tier has the end)."""
@@ -346,8 +359,7 @@ class CheckpointManager:
       self._local.wait()
       found = recovery.TieredRestore(
           self._checkpoint, self._local, self._me, self._restorer.restore_per_worker,
-          lambda step: self._local_meta(step, required=False),
-      ).run(self._restorer.newest_step(), before_restore)
+          self._timeout).run(self._restorer.newest_step(), before_restore)
     found = found or self._restorer.newest_intact(before_restore)
     if found is None:
       return None
@@ -414,8 +426,7 @@ class CheckpointManager:
     local tier's cadence counts the step counter's steps either way.
     """
     step = None if self._step_counter is None else _number(self._step_counter)
-    local = (self._local is not None and check_interval and step is not None
-             and self._local.cadence.due(step))
+    local = check_interval and step is not None and self.local_due(step)
     if self._interval is None:
       return None, True, local
     decision = policy.AnyOf((self._interval if check_interval else policy.Always(),))
@@ -479,11 +490,10 @@ class CheckpointManager:
     return manifest_lib.SaveMeta.new(number, step, metrics, self._global_batch_size,
                                      self._per_worker.keys, **extra)
 
-  def _local_meta(self, step, required=None):
-    """The SaveMeta of a local copy at `step` (`required`: its per-worker state must be restored)."""
+  def _local_meta(self, step):
+    """The SaveMeta of a local copy at `step`."""
     return self._meta(step, step, None, tier="local", run_token=self._local.token,
-                      per_worker_required=self._per_worker.required if required is None
-                      else required)
+                      per_worker_required=self._per_worker.required)
 
   # -- restore helpers --
 

@@ -1,6 +1,7 @@
 """When to act at a step (save, save locally, evaluate, summarize): small pure policies, combined by AnyOf, asked through a Cadence."""
 
 import dataclasses
+import math
 from typing import Protocol, Sequence
 
 from tfdp import errors
@@ -46,6 +47,50 @@ class EveryNSteps:
     if ctx.previous_step is None:
       return ctx.step % self.n == 0
     return ctx.step // self.n > ctx.previous_step // self.n
+
+
+class EveryAutoSteps:
+  """Saves when the step reaches or crosses a multiple of `interval`, which follows an overhead budget.
+
+  `interval_for` gives the smallest interval whose saves cost at most
+  `budget` of the training time; the owner measures and sets `interval`
+  (the same on every worker).
+  """
+
+  def __init__(self, budget: float, interval: int = 1):
+    if not 0 < budget < 1:
+      raise errors.ConfigError(
+          f"checkpoint_overhead={budget!r}: pass a fraction of the step time, e.g. 0.02.")
+    self.budget = budget
+    self.interval = interval
+
+  def should_save(self, ctx: SaveContext) -> bool:
+    return EveryNSteps(self.interval).should_save(ctx)
+
+  def interval_for(self, save_seconds: float, step_seconds: float,
+                   most: int = 10_000) -> int:
+    """Steps between saves so that `save_seconds` per save is `budget` of the steps' time."""
+    if step_seconds <= 0:
+      return 1
+    return max(1, min(most, math.ceil(save_seconds / (self.budget * step_seconds))))
+
+
+def every_steps(value) -> int | str | None:
+  """A `local_checkpoint_every_steps` value checked: an int >= 1, "auto", or None (0, "": None).
+
+  Raises:
+    ConfigError: anything else.
+  """
+  if value in (None, 0, ""):
+    return None
+  if value == "auto":
+    return "auto"
+  if isinstance(value, str) and value.isdigit():
+    value = int(value)
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise errors.ConfigError(
+        f"local_checkpoint_every_steps={value!r}: pass a positive number of steps or 'auto'.")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)

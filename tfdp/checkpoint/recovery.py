@@ -1,17 +1,15 @@
-"""The tiers at restore: the newest state the workers can have, and a lost local copy recovered from a peer."""
+"""The tiers at restore: the newest state the workers can have, and a lost local copy recovered from peers."""
 
 import dataclasses
 import time
 
 from absl import logging
 import numpy as np
-import tensorflow as tf
 
 from tfdp import cluster
 from tfdp import errors
-from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import local as local_lib
-from tfdp.checkpoint import planner
+from tfdp.checkpoint import peers
 from tfdp.checkpoint import restore as restore_lib
 
 LOCAL_KEEP = local_lib.LOCAL_KEEP
@@ -25,21 +23,34 @@ _DAMAGED = "damaged"
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """What every worker restores: `kind` is "local", "peer" or "persistent"."""
+  """What every worker restores: `kind` is "local", "peer" or "persistent".
+
+  With "peer", the workers not among `holders` get the state from
+  `holders[0]`; with `per_worker`, each also gets its own per-worker state
+  from its neighbour (worker w's is kept by worker w + 1 mod N).
+  """
   kind: str
   step: int | None = None
   holders: tuple[int, ...] = ()
+  per_worker: bool = False
 
 
-def offer(held: list[local_lib.Held], persistent_step: int | None) -> list[float]:
-  """This worker's row of the agreement: [persistent step + 1, (step + 1, required) x LOCAL_KEEP]."""
+def offer(held: list[local_lib.Held], persistent_step: int | None,
+          kept_for_left: list[int] = ()) -> list[float]:
+  """This worker's row of the agreement.
+
+  [persistent step + 1, (step + 1, required) x LOCAL_KEEP of its own copies,
+  step + 1 x LOCAL_KEEP of the per-worker states it keeps of its left
+  neighbour], newest first, 0 for none.
+  """
   row = [0.0 if persistent_step is None else persistent_step + 1.0]
   for i in range(LOCAL_KEEP):
     if i < len(held):
       row += [held[i].step + 1.0, 1.0 if held[i].manifest.per_worker_required else 0.0]
     else:
       row += [0.0, 0.0]
-  return row
+  kept = sorted(kept_for_left, reverse=True)[:LOCAL_KEEP]
+  return row + [s + 1.0 for s in kept] + [0.0] * (LOCAL_KEEP - len(kept))
 
 
 def choose(table) -> Choice:
@@ -47,128 +58,33 @@ def choose(table) -> Choice:
 
   The newest step any worker holds locally wins when it is newer than the
   persistent tier's (or as new, and held by every worker): "local" when
-  every worker holds it, "peer" when some do and the others can get it from
-  them, which needs its per-worker state to be not required. Otherwise the
-  next older local step is tried, and at last the persistent tier.
+  every worker holds it; "peer" when some do and each of the others can get
+  its per-worker state (when the step's is required: a plain `fit`'s data
+  position) from its neighbour. Otherwise the next older local step is
+  tried, and at last the persistent tier.
   """
   table = np.asarray(table, np.float64)
+  n = len(table)
   persistent = int(table[:, 0].min()) - 1  # -1: none (0 on any worker).
-  holders = {}
-  required = {}
+  holders, required, kept = {}, {}, {}
   for w, row in enumerate(table):
     for i in range(LOCAL_KEEP):
       step = int(row[1 + 2 * i]) - 1
       if step >= 0:
         holders.setdefault(step, []).append(w)
         required[step] = required.get(step, False) or bool(row[2 + 2 * i])
+    # Worker w keeps the per-worker states of worker w - 1.
+    kept[(w - 1) % n] = {int(s) - 1 for s in row[1 + 2 * LOCAL_KEEP:] if s > 0}
   for step in sorted(holders, reverse=True):
     if step < persistent:
       break
     who = tuple(sorted(holders[step]))
-    if len(who) == len(table):
+    if len(who) == n:
       return Choice("local", step, who)
-    if step > persistent and not required[step]:
-      return Choice("peer", step, who)
+    missing = [w for w in range(n) if w not in who]
+    if step > persistent and (not required[step] or all(step in kept[w] for w in missing)):
+      return Choice("peer", step, who, per_worker=required[step])
   return Choice("persistent")
-
-
-# -- recovery from peers --
-
-# Sent as they are; int32 is not: TF keeps int32 tensors in host memory,
-# and a batch must be all on the host or all on the devices.
-_DIRECT = (tf.float32, tf.float64, tf.int64)
-
-
-def _neutral(dtype):
-  # x + (-0.0) == x bit for bit for every float x, +0.0 and -0.0 included
-  # (+0.0 would turn a -0.0 into +0.0).
-  return tf.constant(-0.0 if dtype.is_floating else 0, dtype)
-
-
-def _all_reduce_from(strategy, source_replica: int, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-  """Every worker gets `tensors` of replica `source_replica`: one SUM all-reduce each, the others adding a neutral 0."""
-  if not tensors:
-    return []
-
-  @tf.function
-  def run(values):
-    def replica_fn(vals):
-      ctx = tf.distribute.get_replica_context()
-      take = tf.equal(ctx.replica_id_in_sync_group, source_replica)
-      sent = [tf.where(take, v, _neutral(v.dtype)) for v in vals]
-      out = [None] * len(sent)
-      # One batch per dtype: TF packs a batch into one buffer.
-      for dtype in sorted({v.dtype for v in sent}, key=lambda d: d.name):
-        idx = [i for i, v in enumerate(sent) if v.dtype == dtype]
-        for i, r in zip(idx, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                            [sent[i] for i in idx])):
-          out[i] = r
-      return out
-
-    out = strategy.run(replica_fn, args=(values,))
-    return [strategy.experimental_local_results(o)[0] for o in out]
-
-  return [tf.identity(t) for t in run(list(tensors))]
-
-
-def _to_wire(t: tf.Tensor) -> tf.Tensor:
-  """A form the all-reduce sums exactly: float32/64 and int64 as they are, int32 and bool as int64, other dtypes' bytes as int64."""
-  if t.dtype in _DIRECT:
-    return t
-  if t.dtype in (tf.bool, tf.int32):
-    return tf.cast(t, tf.int64)
-  return tf.cast(tf.bitcast(t, tf.uint8), tf.int64)
-
-
-def _from_wire(w: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-  if like.dtype in _DIRECT:
-    return w
-  if like.dtype in (tf.bool, tf.int32):
-    return tf.cast(w, like.dtype)
-  return tf.bitcast(tf.cast(w, tf.uint8), like.dtype)
-
-
-def transfer(items: list[planner.Item], source: int, strategy) -> list[planner.Item]:
-  """The values of `items` on worker `source`, on every worker (every worker must call it).
-
-  Each tensor is one all-reduce in which only the source's first replica
-  contributes; strings go as their serialized bytes, after one all-reduce
-  of their lengths. Every worker passes Items with the same keys, shapes and
-  dtypes (the same checkpoint structure); the object graph is not sent.
-
-  Returns:
-    `items` with the source's values.
-  """
-  local = len(strategy.extended.worker_devices)
-  src = source * local
-  numeric, values, strings, blobs = [], [], [], []
-  for it in items:
-    if it.key == planner.OBJECT_GRAPH_KEY:
-      continue
-    value = tf.convert_to_tensor(it.value)
-    if value.dtype == tf.string:
-      strings.append(it)
-      blobs.append(tf.io.serialize_tensor(value).numpy())
-    else:
-      numeric.append(it)
-      values.append(value)
-  wires = [_to_wire(v) for v in values]
-  wires.append(tf.constant([len(b) for b in blobs], tf.int64, shape=[len(blobs)]))
-  got = _all_reduce_from(strategy, src, wires)
-  lengths = got.pop().numpy()
-  out = {id(it): tf.identity(_from_wire(w, v)) for it, w, v in zip(numeric, got, values)}
-  if strings:
-    padded = []
-    for b, n in zip(blobs, lengths):
-      buf = np.zeros(int(n), np.int64)
-      raw = np.frombuffer(b, np.uint8)[:int(n)]
-      buf[:len(raw)] = raw
-      padded.append(tf.constant(buf))
-    for it, w in zip(strings, _all_reduce_from(strategy, src, padded)):
-      data = w.numpy().astype(np.uint8).tobytes()
-      out[id(it)] = tf.io.parse_tensor(data, tf.string)
-  return [dataclasses.replace(it, value=out[id(it)]) if id(it) in out else it
-          for it in items]
 
 
 # -- the protocol --
@@ -176,32 +92,35 @@ def transfer(items: list[planner.Item], source: int, strategy) -> list[planner.I
 class TieredRestore:
   """Restores the newest state the workers can have from the local tiers (every worker runs it).
 
-  1. each worker lists its intact local copies and the newest persistent
-     step, and one all-reduce gives every worker every worker's list;
+  1. each worker lists its intact local copies, the per-worker states it
+     keeps of its neighbour and the newest persistent step, and one
+     all-reduce gives every worker every worker's list;
   2. `choose` picks, the same on every worker: the newest local step held
-     by all ("local"), or held by some and recoverable without per-worker
-     state ("peer"), else the persistent tier;
+     by all ("local"), or held by some and recoverable ("peer"), else the
+     persistent tier;
   3. the holders restore their own copy; after one all-reduce of their
-     outcome, the others get each tensor from the first holder, write it as
-     a local copy and restore it;
+     outcome, the first holder sends each worker without one the copy's
+     files, and its neighbour its per-worker state, over the side channel
+     (tfdp.checkpoint.peers); that worker makes them its own local copy
+     (`LocalTier.receive`) and restores it;
   4. a worker whose copy turned out damaged deletes it, and all go back to 1.
 
   Args:
     checkpoint: the `tf.train.Checkpoint` to restore into.
-    tier: this worker's `LocalTier`.
+    tier: this worker's `LocalTier` (with its side channel when N > 1).
     me: this worker (`tfdp.cluster.Worker`, with its strategy).
     restore_per_worker: `fn(prefix, manifest)` restoring this worker's own
       per-worker state from a copy.
-    recovered_meta: `fn(step)` -> the SaveMeta of a copy received from a peer.
+    timeout: seconds a worker waits for what its peers send.
   """
 
   def __init__(self, checkpoint, tier: local_lib.LocalTier, me: cluster.Worker,
-               restore_per_worker, recovered_meta):
+               restore_per_worker, timeout: float):
     self._checkpoint = checkpoint
     self._tier = tier
     self._me = me
     self._restore_per_worker = restore_per_worker
-    self._recovered_meta = recovered_meta
+    self._timeout = timeout
 
   def run(self, persistent_step: int | None, before_restore=None) -> restore_lib.Restored | None:
     """Restores from the local tiers; None: use the persistent tier (nothing was restored)."""
@@ -209,9 +128,11 @@ class TieredRestore:
     # a MultiWorkerMirroredStrategy that is a broadcast, so every worker
     # makes it here, not only those that restore before the others.
     self._checkpoint.save_counter  # pylint: disable=pointless-statement
+    link = self._tier.link
     for _ in range(LOCAL_KEEP + 1):
       held = self._tier.held()
-      choice = choose(cluster.gather(offer(held, persistent_step), self._me.strategy))
+      kept = self._tier.kept_for_left()
+      choice = choose(cluster.gather(offer(held, persistent_step, kept), self._me.strategy))
       if choice.kind == "persistent":
         if self._me.is_chief and held:
           logging.info("tfdp: no local copy is newer than the persistent tier (step %s).",
@@ -220,35 +141,50 @@ class TieredRestore:
       start = time.perf_counter()
       mine = next((h for h in held if h.step == choice.step), None)
       outcome = self._restore(mine, before_restore) if mine is not None else _OK
-      phases = {}
+      seconds = {}
       if choice.kind == "peer":
         if self._agree(outcome) != _OK:
           continue
-        mine, outcome = self._from_peer(choice, mine, before_restore, phases)
+        if link is None:  # Unreachable: one worker alone holds it or nothing.
+          raise errors.CheckpointError("peer recovery needs the local tier's side channel")
+        outcome, mine = self._from_peers(choice, mine, before_restore, seconds)
       if self._agree(outcome) != _OK:
         continue
-      self._log(choice, mine, time.perf_counter() - start, phases)
+      self._log(choice, mine, time.perf_counter() - start, seconds)
       return restore_lib.Restored(mine.prefix, mine.manifest, choice.kind)
     return None
 
-  def _from_peer(self, choice, mine, before_restore, phases):
-    """Every worker joins the transfer; a worker without the copy writes and restores it."""
-    sent = time.perf_counter()
-    # The holders' values are the restored ones; the first holder's are sent.
-    items = transfer(items_lib.gather(self._checkpoint), choice.holders[0], self._me.strategy)
-    phases["transfer"] = time.perf_counter() - sent
-    if mine is not None:
-      return mine, _OK
-    wrote = time.perf_counter()
+  def _from_peers(self, choice, mine, before_restore, seconds):
+    """Sends what others lack, or receives and restores it; returns (outcome, the copy restored)."""
+    me, link, n = self._me.index, self._tier.link, self._me.count
+    missing = [w for w in range(n) if w not in choice.holders]
     try:
-      mine = self._tier.write(choice.step, items,
-                              self._recovered_meta(choice.step))
+      if me == choice.holders[0]:
+        description, blobs = peers.files_to_wire(self._tier.files_of(mine.prefix))
+        for w in missing:
+          link.send(w, "copy", choice.step, dict(description, manifest=mine.manifest.to_json()),
+                    blobs)
+      if choice.per_worker:
+        for w in missing:
+          if (w + 1) % n == me:
+            description, blobs = link.copies.get(w, choice.step)
+            link.send(w, "per_worker_copy", choice.step, description, blobs)
+      if me not in missing:
+        return _OK, mine
+      start = time.perf_counter()
+      header, blobs = link.receive("copy", choice.step, self._timeout)
+      own = None
+      if choice.per_worker:
+        own = link.receive("per_worker_copy", choice.step, self._timeout)
+        own = peers.tensors_from_wire(*own)
+      seconds["transfer"] = time.perf_counter() - start
+      received = self._tier.receive(choice.step, header, blobs, own)
+      seconds["write"] = time.perf_counter() - start - seconds["transfer"]
+      outcome = self._restore(received, before_restore, per_worker=choice.per_worker)
+      seconds["restore"] = time.perf_counter() - start - sum(seconds.values())
+      return outcome, received
     except Exception as e:  # pylint: disable=broad-except
-      return None, e  # Raised on every worker by the agreement.
-    phases["write"] = time.perf_counter() - wrote
-    outcome = self._restore(mine, before_restore, per_worker=False)
-    phases["restore"] = time.perf_counter() - wrote - phases["write"]
-    return mine, outcome
+      return e, mine  # Raised on every worker by the agreement.
 
   def _restore(self, held, before_restore, per_worker=True):
     """Restores one local copy; returns _OK, _DAMAGED (the copy is deleted) or the exception."""
@@ -285,9 +221,10 @@ class TieredRestore:
                      "copy, %.2f s).", choice.step, seconds)
     elif me.index not in choice.holders:
       logging.warning(
-          "tfdp: recovered step %d from worker %d through collectives (this worker "
-          "had no local copy): %.1f MB in %.2f s (%s).", choice.step, choice.holders[0],
-          mine.manifest.state_bytes / 1e6, seconds,
+          "tfdp: recovered step %d from worker %d over the side channel (this worker "
+          "had no local copy%s): %.1f MB in %.2f s (%s).", choice.step, choice.holders[0],
+          "; its data position from worker %d" % ((me.index + 1) % me.count)
+          if choice.per_worker else "", mine.manifest.total_bytes / 1e6, seconds,
           ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
     elif me.is_chief:
       logging.info("tfdp: restored step %d from the local tier; worker(s) %s got it "

@@ -176,22 +176,42 @@ def write_whole(prefix: str, items: list[planner.Item], record: dict, worker: in
     The manifest written, as a dict.
   """
   faults.reached("before_shard", worker)
+  state_bytes = write_shard(prefix, items)
+  return _commit_whole(prefix, [[it.key for it in items]], state_bytes, record, worker)
+
+
+def write_shard(prefix: str, items: list[planner.Item]) -> int:
+  """Writes Items as one TF bundle under `prefix` (an index, one data file), fsynced; returns their bytes."""
   with tf.device("/cpu:0"):
     values = [items_lib.writable(it.value) for it in items]
     gen_io_ops.save_v2(prefix, [it.key for it in items], [it.slice_spec for it in items],
                        values)
-  data, index = layout_lib.data_filename(prefix, 0, 1), layout_lib.index_path(prefix)
-  fs.fsync_file(data)
-  fs.fsync_file(index)
+  fs.fsync_file(layout_lib.data_filename(prefix, 0, 1))
+  fs.fsync_file(layout_lib.index_path(prefix))
+  return sum(items_lib.nbytes(v) for v in values)
+
+
+def merge_whole(shards: list[tuple[str, list[str]]], prefix: str, record: dict,
+                worker: int) -> dict:
+  """Merges written shards, (prefix, their keys), into checkpoint `prefix` and commits it (see write_whole)."""
+  with tf.device("/cpu:0"):
+    gen_io_ops.merge_v2_checkpoints([p for p, _ in shards], prefix, delete_old_dirs=False)
+  n = len(shards)
+  data = sum(fs.size(layout_lib.data_filename(prefix, k, n)) for k in range(n))
+  return _commit_whole(prefix, [keys for _, keys in shards], data, record, worker)
+
+
+def _commit_whole(prefix, keys_per_file, state_bytes, record, worker):
   for phase in ("after_shard", "after_marker", "during_commit"):  # One writer: one point.
     faults.reached(phase, worker)
-  files = [manifest_lib.describe_file(index).to_dict(),
-           {"name": os.path.basename(data), "size": fs.size(data),
-            "tensors": record["files"][0]["tensors"] if record.get("files") else
-            [it.key for it in items]}]
+  n = len(keys_per_file)
+  files = [manifest_lib.describe_file(layout_lib.index_path(prefix)).to_dict()]
+  for k, keys in enumerate(keys_per_file):
+    path = layout_lib.data_filename(prefix, k, n)
+    files.append({"name": os.path.basename(path), "size": fs.size(path), "tensors": keys})
+  record = {k: v for k, v in record.items() if k != "files"}
   man = dict(record, prefix=os.path.basename(prefix), time=time.time(), files=files,
-             num_shards=1, total_bytes=files[0]["size"] + files[1]["size"],
-             state_bytes=sum(items_lib.nbytes(v) for v in values))
+             num_shards=n, total_bytes=sum(f["size"] for f in files), state_bytes=state_bytes)
   manifest_lib.write_manifest_dict(prefix, man)
   faults.reached("after_commit", worker)
   return man
@@ -335,6 +355,8 @@ def cleanup(layout: layout_lib.Layout, session: str | None = None,
     torn.add(layout.tmp_base(sub))
     logging.info("tfdp: removing %s (left by a save that did not commit)", sub)
     fs.rmtree(os.path.join(layout.tmp_root, sub))
+  if private:  # Whatever name a torn write left (a received copy's too).
+    layout = layout_lib.Layout(layout.directory, None)
   found = catalog.scan(layout)
   for fname in fs.listdir(layout.directory):
     parsed = layout.parse(fname)

@@ -76,11 +76,20 @@ flags.DEFINE_integer("checkpoint_every_steps", None,
 flags.DEFINE_bool("async_checkpoint", False,
                   "Write checkpoints in the background; training blocks only "
                   "for the copy to host memory.")
-flags.DEFINE_integer("local_checkpoint_every_steps", None,
-                     "Also save every N steps to a local tier on each host (in "
-                     "RAM, under /dev/shm, unless --local_checkpoint_dir): a "
-                     "restart resumes from the newest step any worker holds, "
-                     "sent to workers that lost it by collectives.", lower_bound=1)
+flags.DEFINE_string("local_checkpoint_every_steps", None,
+                    "Also save every N steps to a local tier on each host (in "
+                    "RAM, under /dev/shm, unless --local_checkpoint_dir), or "
+                    "'auto': as often as --checkpoint_overhead allows, down to "
+                    "every step. A restart resumes from the newest step any "
+                    "worker holds; a worker that lost it gets it from a peer.")
+flags.register_validator(
+    "local_checkpoint_every_steps",
+    lambda v: v is None or v == "auto" or (v.isdigit() and int(v) >= 1),
+    message="--local_checkpoint_every_steps takes a positive number of steps or 'auto'")
+flags.DEFINE_float("checkpoint_overhead", 0.02,
+                   "With --local_checkpoint_every_steps=auto: the share of the "
+                   "training time local saves may cost (their blocked time and "
+                   "their writer's CPU).", lower_bound=0.0001, upper_bound=0.9)
 flags.DEFINE_string("local_checkpoint_dir", None,
                     "The local tier's per-host directory (default with "
                     "--local_checkpoint_every_steps: /dev/shm/tfdp-local/<hash "

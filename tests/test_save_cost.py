@@ -1,0 +1,97 @@
+"""What a save costs the training step: a snapshot only; bytes, files and records on the writer."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.ops import gen_dataset_ops
+
+from tfdp import callbacks
+from tfdp.checkpoint import policy
+
+X = np.random.RandomState(0).normal(size=(256, 8)).astype("float32")
+Y = X.sum(axis=1, keepdims=True)
+
+
+def _model():
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="a"),
+                            keras.layers.Dense(1, name="b")], name="m")
+  model.compile(keras.optimizers.Adam(0.01), "mse")
+  return model
+
+
+@pytest.mark.parametrize("tier", ["local", "async", "sync"])
+def test_the_step_serializes_nothing(tmp_path, monkeypatch, tier):
+  """Counted inside the step (the training thread): SerializeIterator takes a variant; no bytes are made there.
+
+  serialize_tensor (a variant or any tensor to bytes) runs on the writer
+  thread for local and async saves. A sync save returns once committed, so
+  its writing is in the step by definition: there only the count of
+  SerializeIterator calls (the capture) is checked.
+  """
+  calls = {"SerializeIterator": [], "SerializeTensor": []}
+  real_capture, real_bytes = gen_dataset_ops.serialize_iterator, tf.io.serialize_tensor
+
+  def capture(*a, **k):
+    calls["SerializeIterator"].append(threading.current_thread().name)
+    return real_capture(*a, **k)
+
+  def to_bytes(*a, **k):
+    calls["SerializeTensor"].append(threading.current_thread().name)
+    return real_bytes(*a, **k)
+
+  monkeypatch.setattr(gen_dataset_ops, "serialize_iterator", capture)
+  monkeypatch.setattr(tf.io, "serialize_tensor", to_bytes)
+  kw = (dict(save_freq=False, local_checkpoint_every_steps=2,
+             local_checkpoint_dir=str(tmp_path / "local")) if tier == "local"
+        else dict(save_freq=2, async_save=tier == "async"))
+  backup = callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False, **kw)
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(256, seed=1).batch(8).repeat()
+  _model().fit(dataset, epochs=1, steps_per_epoch=20, verbose=0, callbacks=[backup])
+  main = threading.main_thread().name
+  in_step = {op: [t for t in threads if t == main] for op, threads in calls.items()}
+  assert 1 <= len(in_step["SerializeIterator"]) <= 10, calls  # At most one capture a save.
+  if tier != "sync":
+    assert not in_step["SerializeTensor"], calls
+    assert calls["SerializeTensor"], calls  # ... made on the writer.
+
+
+def test_auto_interval_is_the_smallest_within_the_budget():
+  rule = policy.EveryAutoSteps(0.02)
+  assert rule.interval_for(save_seconds=0.001, step_seconds=0.1) == 1
+  assert rule.interval_for(save_seconds=0.010, step_seconds=0.1) == 5
+  assert rule.interval_for(save_seconds=0.011, step_seconds=0.1) == 6
+  assert rule.interval_for(save_seconds=100.0, step_seconds=0.001) == 10_000
+  rule.interval = 4
+  ctx = policy.SaveContext
+  assert [rule.should_save(ctx(step=s, previous_step=s - 3)) for s in (3, 6, 9)] == [
+      False, True, True]
+  with pytest.raises(ValueError, match="checkpoint_overhead"):
+    policy.EveryAutoSteps(0.0)
+  assert policy.every_steps("auto") == "auto" and policy.every_steps("7") == 7
+  with pytest.raises(ValueError, match="positive number of steps or 'auto'"):
+    policy.every_steps("often")
+
+
+def test_auto_cadence_measures_agrees_and_saves_on_its_interval(tmp_path):
+  """Plain fit with local saves on "auto": the interval follows the measured costs and is used."""
+  backup = callbacks.BackupAndRestore(
+      str(tmp_path / "backup"), save_freq=False, delete_checkpoint=False,
+      local_checkpoint_every_steps="auto", checkpoint_overhead=0.02,
+      local_checkpoint_dir=str(tmp_path / "local"))
+  seen = []
+
+  class Watch(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      seen.append(backup.manager.local_interval)
+
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).repeat()
+  _model().fit(dataset, epochs=1, steps_per_epoch=80, verbose=0, callbacks=[backup, Watch()])
+  assert seen[0] == 1 and all(isinstance(n, int) and n >= 1 for n in seen), seen
+  assert backup.manager.local_checkpoint_every_steps == "auto"
+  costs = list(backup.manager._local.costs)  # pylint: disable=protected-access
+  assert costs and all(b >= 0 and w >= 0 for b, w in costs), costs
