@@ -7,9 +7,9 @@ iterator of a tf.data pipeline with a shuffle buffer, as per-worker state):
   blocked     wall time the training thread spends in the save call
               (median over --saves saves, a training update between them),
               beside a memcpy of the same bytes into a reused buffer;
-  writer CPU  CPU time of every other thread from the call until the save is
-              committed (process CPU minus the calling thread's), beside the
-              CPU of a raw write of the same bytes (one `os.writev` + fsync);
+  writer CPU  the CPU time of the writer thread per save (its thread clock;
+              TF's SaveV2 runs on the calling thread), beside the CPU of a
+              raw write of the same bytes (one `os.writev` + fsync);
   memory      the peak resident memory the saves add (VmHWM after the saves
               minus before, /proc/self/clear_refs resets it), beside the
               state's bytes.
@@ -19,7 +19,6 @@ Run: .venv/bin/python scripts/bench_save.py [--mb=16] [--data_position] [--out=F
 
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -42,11 +41,6 @@ flags.DEFINE_string("dir", None, "Persistent tier (default: a temp dir on the di
 flags.DEFINE_string("local_root", "/dev/shm", "Local tier (RAM-backed).")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_bool("smoke", False, "Tiny sizes, few saves (tests: only checks it runs).")
-
-
-def _process_cpu():
-  r = resource.getrusage(resource.RUSAGE_SELF)
-  return r.ru_utime + r.ru_stime
 
 
 def _peak_rss_reset():
@@ -127,7 +121,6 @@ def _measure(kind, mb, base):
     train_step()
     if position is not None:
       next(position.iterator)
-    cpu0, thread0 = _process_cpu(), time.thread_time()
     t = time.perf_counter()
     if kind == "local":
       mgr.save_local(int(step.numpy()))
@@ -136,10 +129,10 @@ def _measure(kind, mb, base):
     took = time.perf_counter() - t
     train_step()  # Training goes on while the writer works (copy-on-write).
     mgr.sync()
-    other = (_process_cpu() - cpu0) - (time.thread_time() - thread0)
+    writer = (mgr._local._writer if kind == "local" else mgr._writer)  # pylint: disable=protected-access
     if i >= 2:
       blocked.append(took)
-      other_cpu.append(other)
+      other_cpu.append(writer.cpu_seconds[-1] if kind != "sync" else 0.0)
   peak = _peak_rss() - rss0
   mgr.close()
   shutil.rmtree(work, ignore_errors=True)

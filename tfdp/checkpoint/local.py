@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import json
+import os
 import time
 import uuid
 
@@ -128,9 +129,10 @@ class LocalTier:
     self._blocked_total = 0.0
     self.token = ""
     self.skipped = 0
-    # (seconds the caller was blocked, the writer thread's CPU seconds) of
-    # the latest saves, newest last: what a save costs, for the cadence.
-    self.costs = collections.deque(maxlen=16)
+    # The seconds the caller was blocked in the latest saves (`costs`).
+    self._blocked = collections.deque(maxlen=16)
+    # step -> the files of this worker's committed local copy (manifest first).
+    self._files = {}
     self._timeout = timeout
     self._session = ""
     self._writer = async_writer.AsyncWriter()
@@ -190,6 +192,9 @@ class LocalTier:
     self.token, self._session = token, session
     fs.makedirs(self.layout.directory)
     storage.cleanup(self.layout, session, private=True)
+    for prefix in catalog.committed(self.layout):
+      self._files[layout_lib.number_of(prefix)] = [layout_lib.manifest_path(prefix)] + (
+          catalog.files_of(self.layout, prefix))
 
   # -- saving --
 
@@ -221,26 +226,37 @@ class LocalTier:
     start = time.perf_counter()
     self.wait()
     prefix = self.layout.prefix(step)
-    if fs.exists(layout_lib.manifest_path(prefix)):
+    if step in self._files:
       return prefix
     items = items_lib.snapshot(take())
-    record = self._fields(meta(), items)  # After take(): what it took decides some fields.
+    meta = meta()  # After take(): what it took decides some fields.
     blocked = time.perf_counter() - start
     self._blocked_total += blocked
 
     def write():
-      cpu = time.thread_time()
-      self._write(prefix, items, record)
+      self._write(step, prefix, items, self._fields(meta, items))
       self.prune()
       if self.link is not None:
         self._replicate(step, items)
-      self.costs.append((blocked, time.thread_time() - cpu))
 
     self._writer.submit(write)
+    self._blocked.append(blocked)
     return prefix
 
-  def _write(self, prefix, items, record):
-    return storage.write_whole(prefix, items, record, self.worker)
+  @property
+  def costs(self) -> list[tuple[float, float]]:
+    """(seconds the caller was blocked, the writer thread's CPU seconds) of the latest saves."""
+    return list(zip(self._blocked, self._writer.cpu_seconds))
+
+  def _write(self, step, prefix, items, record):
+    man = storage.write_whole(prefix, items, record, self.worker)
+    self._committed(step, prefix, man)
+    return man
+
+  def _committed(self, step, prefix, man):
+    folder = os.path.dirname(prefix)
+    self._files[step] = [layout_lib.manifest_path(prefix)] + [
+        os.path.join(folder, f["name"]) for f in man["files"]]
 
   def _replicate(self, step, items):
     """Sends this worker's per-worker state of the save at `step` to its neighbour."""
@@ -264,7 +280,7 @@ class LocalTier:
 
   def files_of(self, prefix: str) -> list[str]:
     """The index and data files of local copy `prefix`."""
-    return catalog.files_of(self.layout, prefix)
+    return self._files.get(layout_lib.number_of(prefix), [])[1:]
 
   def receive(self, step: int, header: dict, blobs, own: dict | None) -> Held:
     """Makes a copy a peer sent (its files and manifest) this worker's local copy of `step`.
@@ -287,6 +303,7 @@ class LocalTier:
       shards.append((tmp + "-own", [it.key for it in items]))
     record = dict(self._fields_from(man), per_worker_required=own is not None)
     written = storage.merge_whole(shards, prefix, record, self.worker)
+    self._committed(step, prefix, written)
     for path in catalog.files_of(layout_lib.Layout(self.layout.directory, None), tmp):
       fs.remove(path)
     self.prune()
@@ -320,7 +337,7 @@ class LocalTier:
 
   def committed(self) -> list[str]:
     """Prefixes of this worker's committed local checkpoints, oldest first."""
-    return catalog.committed(self.layout)
+    return [self.layout.prefix(step) for step in sorted(self._files)]
 
   def held(self) -> list[Held]:
     """This worker's intact local checkpoints of this run, newest first.
@@ -330,7 +347,7 @@ class LocalTier:
     files is deleted, with a warning.
     """
     out = []
-    for prefix in reversed(catalog.committed(self.layout)):
+    for prefix in reversed(self.committed()):
       man = manifest_lib.read_manifest(prefix)
       problem = None
       if man is None or man.tier != "local":
@@ -353,18 +370,22 @@ class LocalTier:
     return out
 
   def delete(self, prefix: str) -> None:
-    storage.delete(self.layout, prefix)
+    """Deletes local copy `prefix`: its manifest first, so a crash leaves no committed half."""
+    for path in self._files.pop(layout_lib.number_of(prefix), ()):
+      try:
+        os.remove(path)
+      except OSError:
+        pass
 
   def prune(self, keep: int = LOCAL_KEEP) -> None:
     """Deletes all but the newest `keep` local checkpoints."""
-    committed = catalog.committed(self.layout)
-    for prefix in committed[:max(0, len(committed) - keep)]:
-      storage.delete(self.layout, prefix)
+    for step in sorted(self._files)[:max(0, len(self._files) - keep)]:
+      self.delete(self.layout.prefix(step))
 
   def drop(self) -> None:
     """Deletes every local checkpoint (e.g. once training completed and the persistent tier has the end)."""
     self.wait()
-    for prefix in catalog.committed(self.layout):
+    for prefix in self.committed():
       self.delete(prefix)
     if self.link is not None:
       self.link.copies.drop()
