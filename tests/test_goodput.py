@@ -1,8 +1,10 @@
-"""Tests of goodput accounting: summarize's arithmetic, the Recorder's ledger, TensorBoard, and tfdp-launch over a restart."""
+"""Tests of goodput accounting: summarize's arithmetic, the Recorder's ledger, TensorBoard, tfdp-launch over restarts, reruns."""
 
 import io
 import json
 import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -216,3 +218,187 @@ def test_a_job_without_records_prints_no_goodput_line(tmp_path):
   out = io.StringIO()
   assert launch.launch([sys.executable, "-c", "pass"], 1, out=out) == launch.EXIT_OK
   assert "goodput" not in out.getvalue()
+
+
+def _exact_attempts():
+  return [
+      # SIGKILLed at step 27: its heartbeats and record had seen step 5.
+      {"attempt": 0, "spawn": 0.0, "end": 10.0, "failed": True, "heartbeat_steps": [5],
+       "progress_steps": [27, 27], "record": _record(restored_step=None, last_step=5)},
+      # Restored 20, killed at 40 (its record, written before, counted 3).
+      {"attempt": 1, "spawn": 11.0, "end": 20.0, "failed": True, "heartbeat_steps": [],
+       "progress_steps": [40, 39], "record": _record(restored_step=20, last_step=23,
+                                                     recomputed_steps=3)},
+      {"attempt": 2, "spawn": 21.0, "end": 30.0, "failed": False, "heartbeat_steps": [],
+       "progress_steps": [60], "record": _record(restored_step=35, last_step=60,
+                                                 finished=True, final_step=60)},
+  ]
+
+
+def test_progress_steps_make_recomputed_steps_exact():
+  attempts = _exact_attempts()
+  s = goodput.summarize(attempts, end=30.0)
+  # 21..27 again, then 36..40 again: what was reached before, less what was restored.
+  assert [a["recomputed_steps"] for a in s["attempts"]] == [0, 27 - 20, 40 - 35]
+  assert s["recomputed_steps"] == 12
+  assert [a["reached_step"] for a in s["attempts"]] == [27, 40, 60]
+  assert s["attempts"][0]["progress_steps"] == [27, 27]
+  assert goodput.high_water(attempts[:1]) == 27  # the step counters beat heartbeat and record
+  assert goodput.high_water(attempts[:2]) == 40
+  # Without progress files (an older launcher's attempts) the records' counts stand.
+  old = [{k: v for k, v in a.items() if k != "progress_steps"} for a in attempts]
+  assert goodput.summarize(old, end=30.0)["recomputed_steps"] == 3
+  # A launcher's attempts win over the ledger's for the same spawn; ends are capped.
+  merged = goodput.merge([dict(attempts[0], end=15.0), dict(attempts[1], failed=False)],
+                         [attempts[1], attempts[2]])
+  assert [(a["attempt"], a["spawn"], a["end"], a["failed"]) for a in merged] == [
+      (0, 0.0, 11.0, True), (1, 11.0, 20.0, True), (2, 21.0, 30.0, False)]
+
+
+def _steps(rec, clock, steps, seconds=0.01):
+  for step in steps:
+    clock.t += seconds
+    rec.step(step)
+
+
+def test_the_ledger_in_the_directory_counts_an_attempt_that_was_not_finished(
+    tmp_path, monkeypatch, clock, capsys):
+  # Attempt 0 reaches step 27 and is dropped (as by a SIGKILL): its record
+  # was last written at its first step, its step counters hold 27.
+  # Without the launcher each process starts its attempt: worker 1 before the chief.
+  monkeypatch.setenv(goodput.ENV_ATTEMPT_START, "999.5")
+  worker1 = goodput.Recorder(str(tmp_path), chief=False)
+  monkeypatch.setenv(goodput.ENV_ATTEMPT_START, "1000")
+  first = goodput.Recorder(str(tmp_path), tensorboard=False)
+  first.restored(None, 0.0)
+  for step in range(1, 28):
+    clock.t += 0.01
+    first.step(step)
+    worker1.step(step)
+  ledger = tmp_path / ".tfdp-goodput"
+  assert len(list(ledger.glob("attempt-*.json"))) == 1
+  assert len(list(ledger.glob("progress-*.bin"))) == 2
+  assert json.loads(next(ledger.glob("attempt-*.json")).read_text())["last_step"] == 1
+  # The same command again, without the launcher.
+  monkeypatch.setenv(goodput.ENV_ATTEMPT_START, "2000")
+  clock.t = 2001.0
+  second = goodput.Recorder(str(tmp_path), tensorboard=False)
+  assert second.high_water == 27 and second.record["attempt"] == 1
+  (earlier,) = second.earlier
+  # It ended at its last step, which only the step counters saw.
+  assert (earlier["spawn"], earlier["failed"]) == (1000.0, True)
+  assert earlier["end"] == pytest.approx(1000.27)
+  assert earlier["progress_steps"] == [27, 27]
+  second.restored(20, 0.5, "persistent")
+  _steps(second, clock, range(21, 41), seconds=1.0)
+  assert second.record["recomputed_steps"] == 7
+  summary = second.finished(40)
+  assert (summary["restarts"], summary["recomputed_steps"], summary["final_step"]) == (1, 7, 40)
+  assert json.loads((tmp_path / "goodput.json").read_text())["restarts"] == 1
+  out = capsys.readouterr().out.splitlines()
+  assert [l for l in out if "goodput" in l] == ["tfdp: " + goodput.summary_line(summary)]
+  assert ": 1 restart (" in out[-1] and ", 7 steps recomputed (" in out[-1]
+  # A run after a completed one is a new run: the old records and counters go.
+  monkeypatch.setenv(goodput.ENV_ATTEMPT_START, "3000")
+  third = goodput.Recorder(str(tmp_path), tensorboard=False)
+  assert third.earlier == [] and third.high_water is None
+  assert sorted(p.name for p in ledger.iterdir()) == sorted([
+      os.path.basename(third._ledger.record_path(3000.0)),  # pylint: disable=protected-access
+      os.path.basename(third._progress.path)])  # pylint: disable=protected-access
+
+
+def _fake(model_dir, *args):
+  return [sys.executable, os.path.join(WORKERS, "goodput_fake.py"), str(model_dir)] + [
+      str(a) for a in args]
+
+
+def _clean_env():
+  return {k: v for k, v in os.environ.items() if k not in _ENV}
+
+
+def test_recomputed_steps_are_exact_with_fast_steps_under_the_launcher(tmp_path):
+  model_dir = tmp_path / "model"
+  model_dir.mkdir()
+  out = io.StringIO()
+  # 5 ms steps, saves every 20, a heartbeat every 50 steps (4 a second): the
+  # chief is SIGKILLed at step 77, which no heartbeat showed.
+  code = launch.launch(_fake(model_dir, 100, 77, 0.005, 20, 50), 2, max_restarts=1,
+                       out=out, env=_clean_env(), grace_seconds=5)
+  text = out.getvalue()
+  assert code == launch.EXIT_OK, text
+  s = json.loads((model_dir / "goodput.json").read_text())
+  first, second = s["attempts"]
+  assert max(first["heartbeat_steps"]) == 50
+  assert first["progress_steps"] == [77, 77] and first["reached_step"] == 77
+  assert second["restored_step"] == 60
+  assert (s["restarts"], s["recomputed_steps"], second["recomputed_steps"]) == (1, 17, 17)
+  line = next(l for l in text.splitlines() if l.startswith("[tfdp-launch] goodput "))
+  assert ": 1 restart (" in line and ", 17 steps recomputed (" in line, line
+  assert "tfdp: goodput" not in text  # the chief leaves the line to the launcher
+
+
+def test_a_second_launch_of_the_same_directory_is_a_restart(tmp_path):
+  model_dir = tmp_path / "model"
+  model_dir.mkdir()
+  out = io.StringIO()
+  code = launch.launch(_fake(model_dir, 100, 77, 0.005, 20, 50), 2, out=out,
+                       env=_clean_env(), grace_seconds=5)
+  assert code == launch.EXIT_WORKER_FAILED, out.getvalue()
+  out = io.StringIO()
+  code = launch.launch(_fake(model_dir, 100, 77, 0.005, 20, 50), 2, out=out,
+                       env=_clean_env(), grace_seconds=5)
+  text = out.getvalue()
+  assert code == launch.EXIT_OK, text
+  line = next(l for l in text.splitlines() if l.startswith("[tfdp-launch] goodput "))
+  assert ": 1 restart (" in line and ", 17 steps recomputed (" in line, line
+  s = json.loads((model_dir / "goodput.json").read_text())
+  first, second = s["attempts"]
+  assert (first["failed"], first["reached_step"], first["has_record"]) == (True, 77, True)
+  assert (second["restored_step"], second["finished"], s["final_step"]) == (60, True, 100)
+  assert s["restarts"] == 1 and s["recomputed_steps"] == 17
+
+
+def test_a_rerun_without_the_launcher_is_a_restart(tmp_path):
+  model_dir = tmp_path / "model"
+  model_dir.mkdir()
+  run = lambda: subprocess.run(_fake(model_dir, 40, 27, 0.005, 10, 1), env=_clean_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, timeout=60, check=False)
+  killed = run()
+  assert killed.returncode == -signal.SIGKILL, killed.stdout
+  done = run()
+  assert done.returncode == 0, done.stdout
+  lines = [l for l in done.stdout.splitlines() if "goodput" in l]
+  assert len(lines) == 1 and lines[0].startswith("tfdp: goodput "), done.stdout
+  assert ": 1 restart (" in lines[0] and ", 7 steps recomputed (" in lines[0], lines[0]
+  s = json.loads((model_dir / "goodput.json").read_text())
+  first, second = s["attempts"]
+  assert (first["failed"], first["reached_step"], first["progress_steps"]) == (True, 27, [27])
+  assert first["end"] <= second["spawn"]
+  assert (second["restored_step"], second["recomputed_steps"], s["finished"]) == (20, 7, True)
+  parts = ("productive_seconds", "startup_seconds", "recomputed_seconds",
+           "checkpoint_blocked_seconds", "restart_seconds", "other_seconds")
+  assert sum(s[k] for k in parts) == pytest.approx(s["wall_seconds"])
+  # Once more after it completed: a new run, of one attempt.
+  again = run()
+  assert again.returncode == 0 and ": 0 restarts (" in again.stdout, again.stdout
+
+
+def test_the_goodput_line_comes_before_delete_checkpoint_removes_the_backups(tmp_path):
+  backup_dir = tmp_path / "backup"
+  cmd = [sys.executable, os.path.join(WORKERS, "goodput_keras.py"), str(backup_dir), "23"]
+  env = dict(_clean_env(), TF_CPP_MIN_LOG_LEVEL="2")
+  run = lambda: subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, timeout=240, check=False)
+  killed = run()
+  assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr[-3000:]
+  done = run()
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  assert "trained to step 40, restored 20" in done.stdout, done.stdout
+  lines = [l for l in done.stdout.splitlines() if "goodput" in l]
+  assert len(lines) == 1, done.stdout
+  # Killed at step 23 after the backup of step 20: 21..23 came again.
+  assert lines[0].startswith("tfdp: goodput ") and ": 1 restart (" in lines[0], lines[0]
+  assert ", 3 steps recomputed (" in lines[0], lines[0]
+  assert lines[0].endswith("[backup_dir exists: True, goodput.json exists: True]"), lines[0]
+  assert not backup_dir.exists()  # delete_checkpoint=True, as Keras's default

@@ -328,8 +328,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._save_if(self._cadence, step, train_end=True)
     self.manager.close()  # Waits for the last save; releases the directory.
     self.manager.drop_local()  # The persistent tier holds the end.
+    self._goodput.finished(step)  # Its summary and line come before any deletion.
     if not self.delete_checkpoint:
-      self._goodput.finished(step)
       return  # A later save takes the directory again.
     # Every worker has returned from its last save before the chief deletes
     # the directory: a worker still waiting for that save's commit would
@@ -337,4 +337,3 @@ class BackupAndRestore(keras.callbacks.Callback):
     cluster.agree(0.0, "max", model.distribute_strategy)
     manager, self.manager = self.manager, None
     manager.delete_directory()
-    self._goodput.finished(step)

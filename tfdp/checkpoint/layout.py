@@ -24,6 +24,14 @@ STATE_FILENAME = "checkpoint"
 # What a training run keeps next to its checkpoints.
 LOGS_DIRNAME = "logs"
 GOODPUT_FILENAME = "goodput.json"
+# The goodput ledger (tfdp.goodput.ledger): the chief's record of each
+# attempt and each worker's step counter, kept with the run so that a rerun
+# of the same command finds the attempts before it.
+GOODPUT_DIRNAME = ".tfdp-goodput"
+_GOODPUT_RECORD = "attempt-{}-{}.json"
+_GOODPUT_PROGRESS = "progress-{}-{}.bin"
+_GOODPUT_RECORD_RE = re.compile(r"attempt-\d+-\d+\.json")
+_GOODPUT_PROGRESS_RE = re.compile(r"progress-\d+-\d+\.bin")
 KERAS_FILENAME = "model.keras"
 # Root of the keys of per-worker state: `_tfdp_per_worker/<worker>/<key>`.
 PER_WORKER_ROOT = "_tfdp_per_worker"
@@ -68,6 +76,24 @@ def atomic_tmp_path(path: str) -> str:
 def number_of(prefix: str) -> int:
   """The checkpoint number of a prefix such as `/dir/ckpt-7`."""
   return int(prefix.rsplit("-", 1)[1])
+
+
+def goodput_record_name(start: float, pid: int) -> str:
+  """The ledger's record of the attempt that started at `start` (time.time()), by its chief `pid`."""
+  return _GOODPUT_RECORD.format(round(start * 1e6), pid)
+
+
+def goodput_progress_name(start: float, pid: int) -> str:
+  """The ledger's progress file of worker process `pid` in the attempt that started at `start`."""
+  return _GOODPUT_PROGRESS.format(round(start * 1e6), pid)
+
+
+def is_goodput_record(filename: str) -> bool:
+  return _GOODPUT_RECORD_RE.fullmatch(filename) is not None
+
+
+def is_goodput_progress(filename: str) -> bool:
+  return _GOODPUT_PROGRESS_RE.fullmatch(filename) is not None
 
 
 def default_local_root(directory: str) -> str:
@@ -151,6 +177,11 @@ class Layout:
   @property
   def goodput_path(self) -> str:
     return os.path.join(self.directory, GOODPUT_FILENAME)
+
+  @property
+  def goodput_dir(self) -> str:
+    """The goodput ledger of the run: attempt records and per-worker progress files."""
+    return os.path.join(self.directory, GOODPUT_DIRNAME)
 
   @property
   def keras_path(self) -> str:

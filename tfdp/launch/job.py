@@ -135,8 +135,10 @@ class _Job:
     self.group = None
     self.signum = None
     self.causes = []
-    # Each attempt as goodput.summarize takes it, the chief's record included.
+    # Each attempt as goodput.summarize takes it, the chief's record included,
+    # and the attempts of earlier launches that the chief found in its ledger.
     self.goodput = []
+    self.earlier_launches = []
     # The job's last lines: what failed (one line per kind of failure).
     self.final_lines = []
 
@@ -213,20 +215,33 @@ class _Job:
     return env
 
   def _account(self, attempt, group, failure, heartbeat_dir):
-    """Keeps what goodput accounting needs of an attempt that ended."""
+    """Keeps what goodput accounting needs of an attempt that ended.
+
+    The furthest step each worker reached comes from its progress file in
+    the ledger the chief's record names (exact; the heartbeats lag).
+    """
+    record = goodput.read_json(_record_path(heartbeat_dir, attempt))
+    if record:
+      self.earlier_launches += record.pop("earlier", None) or []
     self.goodput.append({
         "attempt": attempt, "spawn": group.started_at,
         "end": (group.failed_at if failure is not None else group.ended_at) or time.time(),
         "failed": failure is not None,
         "heartbeat_steps": group.steps_at_failure if failure is not None else [],
-        "record": goodput.read_json(_record_path(heartbeat_dir, attempt)),
+        "progress_steps": goodput.progress_steps((record or {}).get("ledger"),
+                                                 group.started_at),
+        "record": record,
     })
 
   def _report_goodput(self):
-    """Logs the goodput line and writes goodput.json, for a job whose workers kept records."""
+    """Logs the goodput line and writes goodput.json, for a job whose workers kept records.
+
+    It covers the attempts of earlier launches of the same directory too.
+    """
     if not any(a["record"] for a in self.goodput):
       return  # not a tfdp training job (or one that never got as far)
-    summary = goodput.summarize(self.goodput, time.time())
+    attempts = goodput.merge(self.earlier_launches, self.goodput)
+    summary = goodput.summarize(attempts, time.time())
     self.log(goodput.summary_line(summary))
     goodput.write_summary(summary["directory"], summary)
 
