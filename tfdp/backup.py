@@ -304,6 +304,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       start = time.perf_counter()
       self.manager.save_local(step)
       self._goodput.blocked(time.perf_counter() - start, "local")
+      self._goodput.interval(self.manager.local_interval)
     self._goodput.step(step)
     if self._preemption is not None:
       self._preemption.on_train_batch_end(batch, logs)

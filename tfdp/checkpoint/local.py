@@ -144,6 +144,7 @@ class LocalTier:
     if self.num_workers > 1:
       self.link = peers.PeerLink(
           self.me, peers.PeerCopies(self.layout.directory, self.layout.name, LOCAL_KEEP))
+      self.link.spool = self._spool
 
   @property
   def interval(self) -> int | None:
@@ -282,19 +283,24 @@ class LocalTier:
     """The index and data files of local copy `prefix`."""
     return self._files.get(layout_lib.number_of(prefix), [])[1:]
 
-  def receive(self, step: int, header: dict, blobs, own: dict | None) -> Held:
-    """Makes a copy a peer sent (its files and manifest) this worker's local copy of `step`.
+  def _spool(self, header):
+    """Where the files of a copy a peer sends are written as they arrive (the side channel asks)."""
+    if header["kind"] != "copy":
+      return None
+    man = json.loads(header["manifest"])
+    tmp = self.layout.received(header["step"])
+    return [tmp + name[len(man["prefix"]):] for name in header["files"]]
+
+  def receive(self, step: int, header: dict, paths, own: dict | None) -> Held:
+    """Makes a copy a peer sent (its files, already written here, and manifest) this worker's of `step`.
 
     With `own` (this worker's per-worker tensors, kept by its neighbour), they
     are written as a second shard and merged in, as a save would have held them.
     """
+    del paths  # Where `_spool` put them: under `self.layout.received(step)`.
     prefix = self.layout.prefix(step)
     man = json.loads(header["manifest"])
     tmp = self.layout.received(step)
-    for name, blob in zip(header["files"], blobs):
-      suffix = name[len(man["prefix"]):]
-      with open(tmp + suffix, "wb") as f:
-        f.write(blob)
     shards = [(tmp, [k for f in man["files"] for k in f.get("tensors") or ()])]
     if own:
       root = layout_lib.per_worker_prefix(self.worker)

@@ -21,7 +21,6 @@ import threading
 import time
 
 from absl import logging
-import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2
 
@@ -30,6 +29,7 @@ from tfdp.checkpoint import layout as layout_lib
 
 _CONNECT_TIMEOUT_S = 5.0
 _RETRY_S = 30.0  # After a failed send, the neighbour is tried again this much later.
+_CHUNK = 4 << 20  # A received file is written as it arrives, this much at a time.
 
 
 def _frame(header: dict, blobs=()) -> list:
@@ -44,6 +44,16 @@ def _send(sock, header: dict, blobs=()) -> None:
     sock.sendall(part)
 
 
+def _send_files(sock, header: dict, paths) -> None:
+  """A message whose blobs are files, sent by the kernel (sendfile), not read into memory."""
+  sizes = [os.path.getsize(p) for p in paths]
+  head = json.dumps(dict(header, sizes=sizes)).encode()
+  sock.sendall(struct.pack("<Q", len(head)) + head)
+  for path in paths:
+    with open(path, "rb") as f:
+      sock.sendfile(f)
+
+
 def _recv_exact(sock, n: int) -> bytearray:
   buf = bytearray(n)
   view, got = memoryview(buf), 0
@@ -55,10 +65,28 @@ def _recv_exact(sock, n: int) -> bytearray:
   return buf
 
 
-def _recv(sock):
+def _recv(sock, spool=None):
+  """One message: (header, blobs); with `spool(header)` -> paths, its blobs go straight to those files."""
   (n,) = struct.unpack("<Q", _recv_exact(sock, 8))
   header = json.loads(bytes(_recv_exact(sock, n)))
-  return header, [_recv_exact(sock, size) for size in header["sizes"]]
+  paths = spool(header) if spool is not None else None
+  if paths is None:
+    return header, [_recv_exact(sock, size) for size in header["sizes"]]
+  chunk = bytearray(_CHUNK)
+  view = memoryview(chunk)
+  for path, size in zip(paths, header["sizes"]):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      left = size
+      while left:
+        k = sock.recv_into(view[:min(left, _CHUNK)])
+        if not k:
+          raise ConnectionError("peer closed the connection")
+        os.write(fd, view[:k])
+        left -= k
+    finally:
+      os.close(fd)
+  return header, paths
 
 
 def tensors_to_wire(tensors: dict) -> tuple[dict, list]:
@@ -160,6 +188,8 @@ class PeerLink:
     self._arrived = threading.Condition()
     self._neighbour_sock = None
     self._neighbour_down_until = 0.0
+    # `fn(header)` -> where the files of a message go (None: into memory).
+    self.spool = None
     threading.Thread(target=self._serve, name="tfdp-peer-server", daemon=True).start()
 
   @property
@@ -186,8 +216,10 @@ class PeerLink:
     with conn:
       while True:
         try:
-          header, blobs = _recv(conn)
-        except (ConnectionError, OSError, ValueError, struct.error):
+          header, blobs = _recv(conn, self.spool)
+        except (ConnectionError, OSError, ValueError, struct.error) as e:
+          if not isinstance(e, ConnectionError) or str(e) != "peer closed the connection":
+            logging.warning("tfdp: a message from a peer was cut short: %s", e)
           return
         if header["kind"] == "per_worker":
           try:
@@ -213,11 +245,15 @@ class PeerLink:
 
   # -- sending --
 
-  def send(self, to: int, kind: str, step: int, header: dict, blobs) -> None:
-    """Sends one message to worker `to` on a connection of its own (restores)."""
+  def send(self, to: int, kind: str, step: int, header: dict, blobs=(), paths=()) -> None:
+    """Sends one message to worker `to` on a connection of its own (restores): blobs, or files."""
+    header = dict(header, kind=kind, step=step, **{"from": self._me.index})
     with socket.create_connection(self._peers[to], timeout=_CONNECT_TIMEOUT_S) as sock:
       sock.settimeout(None)
-      _send(sock, dict(header, kind=kind, step=step, **{"from": self._me.index}), blobs)
+      if paths:
+        _send_files(sock, dict(header, files=[os.path.basename(p) for p in paths]), paths)
+      else:
+        _send(sock, header, blobs)
 
   def replicate(self, step: int, tensors: dict, **extra) -> None:
     """Sends this worker's per-worker state at `step` to its neighbour (the writer thread calls it).
@@ -250,12 +286,3 @@ class PeerLink:
       except OSError:
         pass
       self._neighbour_sock = None
-
-
-def files_to_wire(paths) -> tuple[dict, list]:
-  """Files as (their names, their bytes), read whole (a local copy lives in RAM)."""
-  blobs = []
-  for p in paths:
-    with open(p, "rb") as f:
-      blobs.append(np.frombuffer(f.read(), np.uint8))
-  return {"files": [os.path.basename(p) for p in paths]}, blobs

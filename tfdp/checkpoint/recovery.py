@@ -160,10 +160,9 @@ class TieredRestore:
     missing = [w for w in range(n) if w not in choice.holders]
     try:
       if me == choice.holders[0]:
-        description, blobs = peers.files_to_wire(self._tier.files_of(mine.prefix))
         for w in missing:
-          link.send(w, "copy", choice.step, dict(description, manifest=mine.manifest.to_json()),
-                    blobs)
+          link.send(w, "copy", choice.step, {"manifest": mine.manifest.to_json()},
+                    paths=self._tier.files_of(mine.prefix))
       if choice.per_worker:
         for w in missing:
           if (w + 1) % n == me:
@@ -172,13 +171,13 @@ class TieredRestore:
       if me not in missing:
         return _OK, mine
       start = time.perf_counter()
-      header, blobs = link.receive("copy", choice.step, self._timeout)
+      header, paths = link.receive("copy", choice.step, self._timeout)
       own = None
       if choice.per_worker:
         own = link.receive("per_worker_copy", choice.step, self._timeout)
         own = peers.tensors_from_wire(*own)
       seconds["transfer"] = time.perf_counter() - start
-      received = self._tier.receive(choice.step, header, blobs, own)
+      received = self._tier.receive(choice.step, header, paths, own)
       seconds["write"] = time.perf_counter() - start - seconds["transfer"]
       outcome = self._restore(received, before_restore, per_worker=choice.per_worker)
       seconds["restore"] = time.perf_counter() - start - sum(seconds.values())

@@ -244,6 +244,12 @@ class Recorder:
     self._pending_blocked += seconds
     self._write_now_and_then(_now())
 
+  def interval(self, steps: int) -> None:
+    """Notes the local saves' interval chosen now (with local_checkpoint_every_steps="auto")."""
+    if self.chief and self.record.get("local_every_steps") != int(steps):
+      self.record["local_every_steps"] = int(steps)
+      self._write_now_and_then(_now())
+
   def finished(self, step: int) -> Optional[dict]:
     """Training is complete: the final record, the summary over every attempt, and TensorBoard.
 

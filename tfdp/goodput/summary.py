@@ -50,6 +50,7 @@ def _attempt_breakdown(a, next_spawn, end, before):
       "restored_step": rec.get("restored_step"),
       "restored_tier": rec.get("restored_tier"),
       "restore_seconds": float(rec.get("restore_seconds") or 0.0),
+      "local_every_steps": rec.get("local_every_steps"),
       "first_step": rec.get("first_step"), "last_step": rec.get("last_step"),
       "steps": int(rec.get("steps") or 0),
       "finished": bool(rec.get("finished")),
@@ -144,6 +145,7 @@ def summarize(attempts: Sequence[Mapping[str, Any]], end: float) -> dict:
       "other_seconds": sum(r["other_seconds"] for r in rows) + last["gap_seconds"],
       "finished": last["finished"],
       "final_step": (attempts[-1].get("record") or {}).get("final_step"),
+      "local_every_steps": last["local_every_steps"],
       "attempts": rows,
   }
 
