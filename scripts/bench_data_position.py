@@ -12,10 +12,10 @@ parse, batch, prefetch, repeated, under plain `model.fit(steps_per_epoch=k)`.
               through the two largest measured steps, marked projected).
   state       bytes of one worker's iterator state after 100 steps, with and
               without tf.data's symbolic checkpointing.
-  throughput  examples/s of `fit` with a backup every 50 steps holding the data
-              position, against plain `fit` and against the same backups without
-              the data position (TFDP_COMPAT_DISABLE=fit_data_state); interleaved
-              rounds, median.
+  throughput  examples/s of `fit` with an async backup every 50 steps holding
+              the data position, against plain `fit` and against the same
+              backups without the data position
+              (TFDP_COMPAT_DISABLE=fit_data_state); interleaved rounds, median.
 """
 
 import json
@@ -226,7 +226,8 @@ def _throughput():
   callbacks = [stamps]
   if FLAGS.dp_variant != "plain":
     backup_dir = tempfile.mkdtemp(prefix="tfdp_bench_dp_")
-    callbacks.insert(0, tfdp.callbacks.BackupAndRestore(backup_dir, save_freq=50))
+    callbacks.insert(0, tfdp.callbacks.BackupAndRestore(backup_dir, save_freq=50,
+                                                        async_save=True))
   model.fit(_dataset(_paths()), epochs=1, steps_per_epoch=FLAGS.dp_throughput_steps,
             callbacks=callbacks, verbose=0)
   rates = bench_common.window_rates(stamps.stamps, FLAGS.dp_batch, 100, 100)

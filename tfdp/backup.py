@@ -182,12 +182,17 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._goodput = goodput.Recorder(self.backup_dir, chief=self.manager.is_chief,
                                      tensorboard=not self.delete_checkpoint)
 
-  def restore(self, model: keras.Model | None = None) -> resume_lib.Resume:
+  def restore(self, model: keras.Model | None = None, *, announce: bool = True) -> resume_lib.Resume:
     """Restores the newest intact backup into the model; returns where training goes on.
 
     Every worker must call it. A corrupt backup is set aside (with a
     warning) and the previous one, if any, is used. `model.fit` calls it at
     its start; `tfdp.fit` calls it once, before it makes the dataset.
+
+    Args:
+      model: the model (default: the callback's).
+      announce: the chief prints the resume line (`fit` prints it itself,
+        once it knows what became of the data position).
 
     Returns:
       The `tfdp.resume.Resume` (its `prefix` is None when nothing was
@@ -209,7 +214,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._goodput.restored(self.restored_step, seconds, self.manager.restored_tier)
     if self.resumed.restored:
       logging.info("Restored %s at step %d.", prefix, self.resumed.step)
+      if announce:
+        self._announce("data from the step")
     return self.resumed
+
+  def _announce(self, data):
+    """The resume line, on the chief's stdout (a Keras script shows no absl INFO lines)."""
+    if self.resumed.restored and self.manager.is_chief:
+      print(f"tfdp: {self.resumed.describe(data)}", flush=True)
 
   def completed_epochs(self, steps_per_epoch: int | None = None) -> int | None:
     """Epochs completed by the restored backup (None when nothing was restored)."""
@@ -270,12 +282,13 @@ class BackupAndRestore(keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     skipped = 0
     if self._spanning is None:
-      resumed = self.restore(self.model)
+      resumed = self.restore(self.model, announce=False)
       epoch = resumed.completed_epochs((self.params or {}).get("steps"))
       if epoch is not None:
         self.model._initial_epoch = epoch  # pylint: disable=protected-access
-      skipped = resume_lib.resume_data(resumed, self.model, self.backup_dir,
-                                       self.restart_epoch_data)
+      skipped, data = resume_lib.resume_data(resumed, self.model, self.backup_dir,
+                                             self.restart_epoch_data)
+      self._announce(data)
       self._preempted = False
       if self._preemption is not None:
         self._preemption.handler.install()

@@ -57,14 +57,21 @@ class Resume:
       return self.step // steps_per_epoch
     return max(self.epoch or 0, 0)
 
-  def describe(self) -> str:
-    """One line for the log: what was restored and where training goes on."""
-    where = f"at step {self.step}"
+  def describe(self, data: str | None = None) -> str:
+    """One line: what was restored and where training goes on, e.g.
+
+    `resumed from runs/x/ckpt-256 at step 256 (epoch 3, step 16 of it; data
+    position restored)`; `data` says what became of the input's position.
+    """
+    notes = []
     if self.epoch is not None:
-      where += f" (epoch {self.epoch + 1}" + (
-          f", step {self.step_in_epoch} of it" if self.step_in_epoch else "") + ")"
-    tier = f" from the {self.tier} tier" if self.tier and self.tier != "persistent" else ""
-    return f"resumed from {self.prefix}{tier} {where}"
+      notes.append(f"epoch {self.epoch + 1}" + (
+          f", step {self.step_in_epoch} of it" if self.step_in_epoch else ""))
+    if data:
+      notes.append(data)
+    tier = f" (the {self.tier} tier)" if self.tier and self.tier != "persistent" else ""
+    return (f"resumed from {self.prefix}{tier} at step {self.step}"
+            + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def topology(strategy) -> tuple[int, int]:
@@ -196,22 +203,28 @@ class DataPosition(trackable_base.Trackable):
     return []
 
 
-def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool) -> int:
-  """Puts a restored data position into the running `fit`'s input; returns the steps of the epoch it skips.
+def resume_data(resume: Resume, model, backup_dir: str,
+                restart_epoch_data: bool) -> tuple[int, str | None]:
+  """Puts a restored data position into the running `fit`'s input.
+
+  Returns:
+    (the steps of the epoch it skips, what became of the data position: a
+    few words for the resume line, None when nothing was restored).
 
   Raises:
     ConfigError: the backup holds the data positions of another topology and
       `restart_epoch_data` is off.
   """
   run = fit_hooks.current(model)
+  restarts = "the interrupted epoch's data restarts"
   if not resume.restored:
-    return 0
+    return 0, None
   if run is None:
     reason = _why_no_hooks()
     if resume.topology[0] and reason:
       logging.warning("tfdp: the backup holds the data position, but %s; the interrupted "
                       "epoch restarts from its first batch.", reason)
-    return 0
+    return 0, restarts
   saved, now = list(resume.topology), list(topology(model.distribute_strategy))
   if saved[0] and saved != now:
     message = (f"the backup in {backup_dir} holds the data positions of "
@@ -225,7 +238,7 @@ def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool
           "BackupAndRestore(..., restart_epoch_data=True) to restart the "
           "interrupted epoch's data.")
     logging.warning("tfdp: %s; restarting the interrupted epoch's data.", message)
-    return 0
+    return 0, restarts
   position = resume.data
   if run.dataset is None or not saved[0] or position is None or (
       position["kind"] == b"none") or resume.step_in_epoch is None:
@@ -233,13 +246,13 @@ def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool
               "the backup holds no data position (an older backup, or an input "
               "tf.data could not save)")
     logging.warning("tfdp: %s; the interrupted epoch restarts from its first batch.", reason)
-    return 0
+    return 0, restarts
   run.dataset.set_pending(position["state"] if position["kind"] == b"iterator" else None,
                           int(position["made"]), int(position.get("skip", 0)))
   run.skip_steps(resume.step_in_epoch)
   logging.info("Resuming the data at step %d of epoch %d.", resume.step_in_epoch,
                (resume.epoch or 0) + 1)
-  return resume.step_in_epoch
+  return resume.step_in_epoch, "data position restored"
 
 
 def _why_no_hooks() -> str | None:
