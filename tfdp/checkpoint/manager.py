@@ -135,11 +135,8 @@ class CheckpointManager:
     if max_shard_bytes is not None and max_shard_bytes < 1:
       raise errors.ConfigError(
           f"max_shard_bytes={max_shard_bytes}: pass a positive byte count.")
-    policies = [retention.KeepLatest(max_to_keep)]
-    if keep_best is not None:
-      policies.append(retention.parse_keep_best(keep_best))
-    self._keep = retention.AnyOf(tuple(policies))
-    self._hours = retention.KeepEveryNHours(keep_checkpoint_every_n_hours)
+    self._keep, self._hours = retention.policies(max_to_keep, keep_best,
+                                                 keep_checkpoint_every_n_hours)
     self._checkpoint = checkpoint
     self._directory = fs.require_directory(os.fspath(directory).rstrip("/"))
     self._layout = layout_lib.Layout(self._directory, checkpoint_name)
@@ -421,9 +418,8 @@ class CheckpointManager:
   def _decide(self, check_interval):
     """(the step to record or None, save persistently, save locally).
 
-    TF's rule: with a `checkpoint_interval` the step counter's step is
-    recorded and the interval decides; without, every call saves. The
-    local tier's cadence counts the step counter's steps either way.
+    TF's rule: with a `checkpoint_interval` the interval decides; without,
+    every call saves. The local tier's cadence counts the step counter's.
     """
     step = None if self._step_counter is None else _number(self._step_counter)
     local = check_interval and step is not None and self.local_due(step)
@@ -472,17 +468,9 @@ class CheckpointManager:
     self._uncommitted_count = None
 
   def _run(self, job, sweep, callbacks):
-    """Runs the job, then records the commit (in the writer's thread when async).
-
-    The chief applies the retention decided before the save: TF's state
-    file, then the deletions.
-    """
-    man = storage.run(job)
-    self._catalog.commit(man, job.prefix, sweep)
-    if self._me.is_chief:
-      catalog_lib.write_state(self._layout, self._catalog)
-      for e in sweep.deleted:
-        storage.delete(self._layout, e.prefix)
+    """Runs the job, then the commit's bookkeeping (in the writer's thread when async)."""
+    storage.after_commit(self._layout, self._catalog, storage.run(job), job.prefix, sweep,
+                         self._me.is_chief)
     for fn in callbacks:
       fn(job.prefix)
 
@@ -491,7 +479,6 @@ class CheckpointManager:
                                      self._per_worker.keys, **extra)
 
   def _local_meta(self, step):
-    """The SaveMeta of a local copy at `step`."""
     return self._meta(step, step, None, tier="local", run_token=self._local.token,
                       per_worker_required=self._per_worker.required)
 

@@ -80,6 +80,19 @@ def parse_keep_best(best) -> KeepBest:
   return KeepBest(str(metric), mode, k)
 
 
+def policies(max_to_keep, keep_best, hours) -> tuple["AnyOf", "KeepEveryNHours"]:
+  """A manager's retention: (what stays managed, what of the rest is preserved).
+
+  Args:
+    max_to_keep: keep the newest N (None: all).
+    keep_best: also keep the best K by a metric (see parse_keep_best), or None.
+    hours: `keep_checkpoint_every_n_hours`, or None.
+  """
+  keep = [KeepLatest(max_to_keep)] + ([parse_keep_best(keep_best)] if keep_best is not None
+                                      else [])
+  return AnyOf(tuple(keep)), KeepEveryNHours(hours)
+
+
 @dataclasses.dataclass(frozen=True)
 class AnyOf:
   """Keeps what any of `policies` keeps."""

@@ -333,6 +333,20 @@ def _wait_for_commit(job):
   return _poll(2 * job.timeout, check, timeout)
 
 
+def after_commit(layout: layout_lib.Layout, cat: catalog.Catalog, man: manifest_lib.Manifest,
+                 prefix: str, sweep, chief: bool) -> None:
+  """Records committed `prefix` in the catalog; the chief applies the retention decided before the save.
+
+  TF's state file first, then the deletions (a crash between them leaves
+  checkpoints that the next manager's retention deletes).
+  """
+  cat.commit(man, prefix, sweep)
+  if chief:
+    catalog.write_state(layout, cat)
+    for e in sweep.deleted:
+      delete(layout, e.prefix)
+
+
 def cleanup(layout: layout_lib.Layout, session: str | None = None,
             private: bool = False) -> None:
   """Deletes leftovers of torn saves: temp dirs, and files of uncommitted checkpoints.
