@@ -1,4 +1,4 @@
-"""The README stays true to the code: every tfdp-train flag is documented, the quick start exists."""
+"""The README and docs/ stay true to the code: every tfdp-train flag is documented, the examples run, links resolve."""
 
 import json
 import os
@@ -11,18 +11,18 @@ from absl import flags
 from tests.conftest import REPO
 
 
-def _readme():
-  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+def _readme(path="README.md"):
+  with open(os.path.join(REPO, path), encoding="utf-8") as f:
     return f.read()
 
 
 def test_every_train_flag_is_in_the_flags_table():
   from tfdp.cli import train  # pylint: disable=g-import-not-at-top,unused-import
-  documented = set(re.findall(r"^\| `--(\w+)`", _readme(), re.M))
+  documented = set(re.findall(r"^\| `--(\w+)`", _readme("docs/flags.md"), re.M))
   ours = {f.name for f in flags.FLAGS.get_flags_for_module("tfdp.cli.train")}
   assert len(ours) > 10
-  assert ours - documented == set(), "flags missing from README"
-  assert documented - ours == set(), "README documents flags that do not exist"
+  assert ours - documented == set(), "flags missing from docs/flags.md"
+  assert documented - ours == set(), "docs/flags.md documents flags that do not exist"
 
 
 def _data_bytes(ckpt_dir, prefix="ckpt-48"):
@@ -70,3 +70,41 @@ def test_quick_start_commands():
     assert os.path.exists(os.path.join(REPO, path)), path
   with open(os.path.join(REPO, ".ci/run"), encoding="utf-8") as f:
     assert "bash scripts/test.sh" in f.read()
+
+
+def test_conversion_diff_is_the_examples_diff():
+  """The README's diff is `diff -U1` of the two example scripts (test_models runs the converted one)."""
+  import difflib  # pylint: disable=g-import-not-at-top
+  examples = os.path.join(REPO, "scripts", "examples")
+  plain, ours = (open(os.path.join(examples, f), encoding="utf-8").read().splitlines()
+                 for f in ("keras_plain.py", "keras_tfdp.py"))
+  real = "\n".join(l.rstrip() for l in difflib.unified_diff(plain, ours, lineterm="", n=1)
+                   if not l.startswith(("---", "+++")))
+  shown = "\n".join(l.rstrip() for l in re.search(
+      r"```diff\n(.*?)```", _readme(), re.S).group(1).splitlines())
+  assert shown.strip("\n") == real.strip("\n")
+  # The strategy comes right after the imports, before any tf.data or model code.
+  first_code = next(i for i, l in enumerate(ours) if l and not l.startswith(
+      ("import ", "from ", '"""')))
+  assert ours[first_code].startswith("strategy = tfdp.make_strategy()"), ours[first_code]
+
+
+def test_links_between_readme_and_docs_resolve():
+  pages = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(
+      os.path.join(REPO, "docs")) if f.endswith(".md"))
+  assert len(pages) > 5
+  slugs = {}
+  for page in pages:
+    text = re.sub(r"```.*?```", "", _readme(page), flags=re.S)
+    slugs[page] = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                   for h in re.findall(r"^#+ (.*)$", text, re.M)}
+  for page in pages:
+    text = re.sub(r"```.*?```", "", _readme(page), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+      if re.match(r"\w+://", target):
+        continue
+      path, _, anchor = target.partition("#")
+      resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+      assert os.path.exists(os.path.join(REPO, resolved)), (page, target)
+      if anchor and resolved.endswith(".md"):
+        assert anchor in slugs[resolved], (page, target, sorted(slugs[resolved]))

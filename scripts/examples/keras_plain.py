@@ -1,9 +1,12 @@
-"""An ordinary Keras training script for a small vision model (the 'before' of the README's tfdp diff)."""
+"""The README's conversion example: keras_plain.py as Keras users write it, keras_tfdp.py with tfdp."""
 
 import argparse
 
 import keras
 import numpy as np
+import tensorflow as tf
+
+BATCH_SIZE = 64
 
 
 def load_data(n, seed=0):
@@ -13,6 +16,16 @@ def load_data(n, seed=0):
   labels = rng.integers(0, 10, size=n)
   images = templates[labels] + rng.normal(size=(n, 32, 32, 3)).astype("float32")
   return images, labels
+
+
+def make_datasets(n):
+  """A tf.data pipeline as scripts build it: shuffled training batches and a held-out split."""
+  images, labels = load_data(n)
+  split = n * 7 // 8
+  train = (tf.data.Dataset.from_tensor_slices((images[:split], labels[:split]))
+           .shuffle(1024, seed=1).batch(BATCH_SIZE).prefetch(tf.data.AUTOTUNE))
+  val = tf.data.Dataset.from_tensor_slices((images[split:], labels[split:])).batch(BATCH_SIZE)
+  return train, val
 
 
 def make_model():
@@ -36,9 +49,10 @@ def main():
   parser.add_argument("--num_examples", type=int, default=4096)
   parser.add_argument("--backup_dir", default="/tmp/keras_example_backup")
   args = parser.parse_args()
-  x, y = load_data(args.num_examples)
+  train, val = make_datasets(args.num_examples)
   model = make_model()
-  model.fit(x, y, batch_size=64, epochs=args.epochs, callbacks=[keras.callbacks.BackupAndRestore(args.backup_dir)])
+  model.fit(train, validation_data=val, epochs=args.epochs,
+            callbacks=[keras.callbacks.BackupAndRestore(args.backup_dir)])
 
 
 if __name__ == "__main__":

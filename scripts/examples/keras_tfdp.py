@@ -1,10 +1,14 @@
-"""The same script made data-parallel over every local GPU with tfdp (the 'after' of the README diff)."""
+"""The README's conversion example: keras_plain.py as Keras users write it, keras_tfdp.py with tfdp."""
 
 import argparse
 
 import keras
 import numpy as np
+import tensorflow as tf
 import tfdp
+
+strategy = tfdp.make_strategy()  # first: before any tf.data dataset or model
+BATCH_SIZE = 64
 
 
 def load_data(n, seed=0):
@@ -14,6 +18,16 @@ def load_data(n, seed=0):
   labels = rng.integers(0, 10, size=n)
   images = templates[labels] + rng.normal(size=(n, 32, 32, 3)).astype("float32")
   return images, labels
+
+
+def make_datasets(n):
+  """A tf.data pipeline as scripts build it: shuffled training batches and a held-out split."""
+  images, labels = load_data(n)
+  split = n * 7 // 8
+  train = (tf.data.Dataset.from_tensor_slices((images[:split], labels[:split]))
+           .shuffle(1024, seed=1).batch(BATCH_SIZE).prefetch(tf.data.AUTOTUNE))
+  val = tf.data.Dataset.from_tensor_slices((images[split:], labels[split:])).batch(BATCH_SIZE)
+  return train, val
 
 
 def make_model():
@@ -37,11 +51,11 @@ def main():
   parser.add_argument("--num_examples", type=int, default=4096)
   parser.add_argument("--backup_dir", default="/tmp/keras_example_backup")
   args = parser.parse_args()
-  x, y = load_data(args.num_examples)
-  strategy = tfdp.make_strategy()
+  train, val = make_datasets(args.num_examples)
   with strategy.scope():
     model = make_model()
-  model.fit(x, y, batch_size=64, epochs=args.epochs, callbacks=[tfdp.callbacks.BackupAndRestore(args.backup_dir)])
+  model.fit(train, validation_data=val, epochs=args.epochs,
+            callbacks=[tfdp.callbacks.BackupAndRestore(args.backup_dir)])
 
 
 if __name__ == "__main__":
