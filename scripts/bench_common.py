@@ -38,7 +38,7 @@ def load_average():
 
 
 def machine():
-  """Facts for the README: CPUs, CPU model, RAM, versions, date, load."""
+  """Facts for docs/performance.md: CPUs, CPU model, RAM, versions, date, load."""
   cpu_model = platform.processor() or "unknown"
   try:
     with open("/proc/cpuinfo") as f:

@@ -6,7 +6,7 @@
 #   then 3 rotated rounds of 5 warm-up + 2 x 50 timed steps at 256 images).
 #   --cpu_smoke: the same script path with ResNet-50 on 32x32 images, batch 8,
 #   a few steps, on CPU, no mixed precision: checks the script end to end.
-# Writes DIR/gpu_bench_<date>_<gpu>.md (paste into README "Performance") and
+# Writes DIR/gpu_bench_<date>_<gpu>.md (paste into docs/performance.md) and
 # the .json next to it; DIR defaults to bench_results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -25,7 +25,7 @@ DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
 
 # Gradient pack size of ring (gRPC) collective all-reduce when none is given:
 # several packs let reduction and transfer overlap, one pack cannot (the
-# measurements are in the README's Performance section). NCCL keeps TF's
+# measurements are in docs/performance.md). NCCL keeps TF's
 # single pack (0): it is most efficient with large messages.
 DEFAULT_RING_BYTES_PER_PACK = 4 << 20
 
