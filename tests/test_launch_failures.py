@@ -88,6 +88,14 @@ def test_a_worker_killed_by_a_signal_ends_with_the_signal(tmp_path):
   assert _final(lines) == ["[tfdp-launch] worker 0 failed: killed by SIGKILL"], lines
 
 
+def test_a_peers_collective_error_after_a_kill_is_no_failure_of_its_own(tmp_path):
+  """Worker 1's collectives abort because worker 0 died: the job failed of worker 0's kill, one line."""
+  code, lines = _launch("peer", tmp_path)
+  assert code == launch.EXIT_WORKER_FAILED, lines
+  assert any("UnavailableError: Graph execution error:" in l for l in lines), lines
+  assert _final(lines) == ["[tfdp-launch] worker 0 failed: killed by SIGKILL"], lines
+
+
 def test_tf_noise_of_a_failed_job_is_one_count_line_not_the_last(tmp_path):
   code, lines = _launch("noise", tmp_path)
   assert code == launch.EXIT_WORKER_FAILED, lines

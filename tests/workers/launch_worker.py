@@ -2,7 +2,8 @@
 
 Modes: `same` (every worker raises the same ConfigError, which names the
 worker, its pid and a temp folder), `different` (each raises its own),
-`signal` (worker 0 is killed by SIGKILL), `noise` (TF-like start-up lines,
+`signal` (worker 0 is killed by SIGKILL), `peer` (worker 0 is killed, worker 1
+then fails with TF's error for a lost peer, as a collective does), `noise` (TF-like start-up lines,
 then `same`), `bar` (a progress bar redrawn with `\\r` for 2.5 s, then its
 line ends with the time it ended). DIR is a folder shared by the workers.
 """
@@ -76,6 +77,21 @@ def main(mode, directory):
     if INDEX == 0:
       print("about to be killed", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+  elif mode == "peer":
+    if INDEX == 0:
+      barrier(directory)
+      os.kill(os.getpid(), signal.SIGKILL)
+
+    def collective_aborted(signum, frame):
+      del signum, frame
+      print("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n"
+            "tensorflow.python.framework.errors_impl.UnavailableError: Graph execution error:",
+            file=sys.stderr, flush=True)
+      os._exit(1)  # pylint: disable=protected-access
+
+    signal.signal(signal.SIGTERM, collective_aborted)
+    barrier(directory)
     time.sleep(120)
   elif mode == "bar":
     bar()

@@ -48,6 +48,12 @@ _DRAIN_SECONDS = 2.0
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
+# Errors a worker gets because another one is gone (its collectives abort): a
+# consequence of the blamed failure, not a failure of its own.
+_CONSEQUENCES = ("UnavailableError", "AbortedError", "CancelledError",
+                 "DeadlineExceededError")
+
+
 def describe_exit(code: int) -> str:
   """How a worker ended, for the log: `was killed by SIGKILL`, `exited with code 3`, ..."""
   if code < 0:
@@ -454,7 +460,8 @@ class Launcher:
           error = failure.message.split(" ", 2)[2]
         elif code is not None and (code < 0 or not error):  # a signal: what killed it
           error = describe_exit(code).removeprefix("was ") + (f" ({fatal})" if fatal else "")
-      elif codes[i] in (None, 0, EXIT_PEER_LOST, EXIT_PREEMPTED):
+      elif codes[i] in (None, 0, EXIT_PEER_LOST, EXIT_PREEMPTED) or (
+          error and error.startswith(_CONSEQUENCES)):
         continue
       if error:
         key = self.lines.same(i, error)
