@@ -8,6 +8,10 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.layers import layer as keras_layer
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import cross_device_utils
+from tensorflow.python.distribute import mirrored_strategy
 
 from tfdp import cluster
 from tfdp.compat import multi_step
@@ -126,11 +130,48 @@ def _install_reduce_mean_axis():
 # ---------------------------------------------------------------------------
 # Fix: steps_per_execution > 1.
 
+# Where a strategy's extended keeps the cross-device ops its steps reduce
+# with: MirroredExtended (the device all-reduce) and
+# CollectiveAllReduceExtended (that, and one for host tensors).
+_CROSS_DEVICE_OPS_ATTRS = ("_cross_device_ops", "_host_cross_device_ops")
+
+
+def defers_collective_keys(strategy) -> bool:
+  """Whether a step of `strategy` launches collective ops whose instance key is fed at call time.
+
+  It does when the cross-device ops its steps all-reduce with are
+  `CollectiveAllReduce` over more than one participant (devices of this
+  worker and of the others) and its launchers take unique instance keys
+  (TF 2: `CollectiveReplicaLauncher._next_instance_key` captures the key as a
+  call-time value of the function being built). That is
+  MultiWorkerMirroredStrategy on several workers or several local replicas,
+  and MirroredStrategy over several devices with its default cross-device ops
+  (or any collective-based ones); not one replica, not the default strategy,
+  not a MirroredStrategy that reduces with ReductionToOneDevice,
+  HierarchicalCopyAllReduce or NcclAllReduce.
+  """
+  if strategy is None:
+    return False
+  extended = strategy.extended
+  for attr in _CROSS_DEVICE_OPS_ATTRS:
+    ops = getattr(extended, attr, None)
+    if (isinstance(ops, cross_device_ops_lib.CollectiveAllReduce)
+        and ops._group_size > 1  # pylint: disable=protected-access
+        and any(launcher._use_unique_instance_key()  # pylint: disable=protected-access
+                for launcher in ops._launchers)):  # pylint: disable=protected-access
+      return True
+  return False
+
 
 def _probe_steps_per_execution_inline():
   # The inline loop copies upstream's (tfdp.compat.multi_step): the bug's
   # shape, the private names both use, and that train/test functions are
-  # still made by `_make_function`.
+  # still made by `_make_function`. `defers_collective_keys` reads where the
+  # strategies keep their cross-device ops, which ones the steps use, and
+  # how a launcher takes its instance keys (the cause: a call-time capture
+  # that control flow moves to the outer function graph, which the nested
+  # step function's caller does not feed).
+  launcher = cross_device_utils.CollectiveReplicaLauncher
   return [
       *probes.params(_Trainer, "_make_function", ("self", "step_function")),
       *probes.reads(_Trainer, "_make_function", "one_step_on_data = tf.function(",
@@ -141,13 +182,26 @@ def _probe_steps_per_execution_inline():
       *probes.reads(_Trainer, "make_train_function", "self._make_function(self.train_step)"),
       *probes.reads(_Trainer, "make_test_function", "self._make_function(self.test_step)"),
       *probes.reads(_Trainer, "__init__", "self.unrolled_steps_per_execution = "),
-      *probes.multi_worker_attributes(),
+      *probes.reads(launcher, "_next_instance_key", "if self._use_unique_instance_key():",
+                    "while getattr(graph, 'is_control_flow_graph', False):",
+                    "graph = graph.outer_graph", "graph.capture_call_time_value(", ordered=True),
+      *probes.defines(launcher, "_use_unique_instance_key"),
+      *probes.reads(cross_device_ops_lib.CollectiveAllReduce, "__init__",
+                    "self._group_size = group_size", "self._launchers.append(launcher)"),
+      *probes.reads(mirrored_strategy.MirroredExtended, "_initialize_strategy",
+                    "self._cross_device_ops = self._collective_ops"),
+      *probes.reads(mirrored_strategy.MirroredExtended, "_get_cross_device_ops",
+                    "return self._cross_device_ops"),
+      *probes.reads(collective_all_reduce_strategy.CollectiveAllReduceExtended,
+                    "_get_cross_device_ops", "return self._cross_device_ops",
+                    "return self._host_cross_device_ops"),
   ]
 
 
 @register("steps_per_execution_inline", _probe_steps_per_execution_inline,
-          "fit and evaluate with steps_per_execution > 1 under a multi-worker "
-          "MultiWorkerMirroredStrategy may fail")
+          "fit and evaluate with steps_per_execution > 1 fail under a strategy that "
+          "all-reduces with collective ops (MultiWorkerMirroredStrategy; MirroredStrategy "
+          "over several devices with its default cross-device ops)")
 def _install_steps_per_execution_inline():
   """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer._make_function.
 
@@ -156,22 +210,25 @@ def _install_steps_per_execution_inline():
   (`multi_step_on_iterator`). Collective ops (the gradient all-reduce) take
   their instance key from a call-time capture
   (tensorflow/python/distribute/cross_device_utils.py
-  CollectiveReplicaLauncher._next_instance_key) that a nested function call
-  inside control flow does not forward, so `fit`/`evaluate` fail with "You
-  must feed a value for placeholder tensor '.../while/cond/Placeholder' with
-  dtype int32". Under multi-worker MultiWorkerMirroredStrategy with
-  `steps_per_execution > 1` (and no `jit_compile`, no `run_eagerly`) the patch
-  builds the same loop with the step traced inline, so the collectives live
-  in the outer function, as in tf-keras; all other cases go to upstream.
-  (MirroredStrategy on several CPUs has the same upstream failure; it is left
-  as upstream.)
+  CollectiveReplicaLauncher._next_instance_key), which control flow puts in
+  the graph of the function around it: the step function's own graph, whose
+  caller inside the loop does not feed it. `fit`/`evaluate` then fail with
+  "You must feed a value for placeholder tensor '.../while/cond/Placeholder'
+  with dtype int32". Under every strategy whose step launches such
+  collectives (`defers_collective_keys`: MultiWorkerMirroredStrategy with
+  more than one replica in all, MirroredStrategy over several devices with
+  collective cross-device ops, its default) and with `steps_per_execution >
+  1` (and no `jit_compile`, no `run_eagerly`), the patch builds the same loop
+  with the step traced inline, so the collectives live in the outer
+  function, whose call feeds their keys, as in tf-keras; all other cases go
+  to upstream.
   """
   original = _Trainer._make_function  # pylint: disable=protected-access
 
   @functools.wraps(original)
   def _make_function(self, step_function):
     if (self.steps_per_execution <= 1 or self.run_eagerly or self.jit_compile
-        or not cluster.is_multi_worker(self.distribute_strategy)):
+        or not defers_collective_keys(self.distribute_strategy)):
       return original(self, step_function)
     return multi_step.inline_multi_step_function(self, step_function)
 
