@@ -296,6 +296,36 @@ def test_steps_per_execution_inline_serves_every_strategy_whose_step_fails_upstr
     compat.apply()
 
 
+def _reshuffled_fit(strategy):
+  """2 epochs of SGD on a dataset reshuffled each epoch: the weights depend on the batches' order."""
+  rng = np.random.RandomState(1)
+  x = rng.uniform(-1, 1, size=(64, 4)).astype("float32")
+  y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")
+  keras.utils.set_random_seed(5)  # Before the dataset: its shuffle seeds depend on it.
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=2).batch(16)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.2), "mse")
+  model.fit(dataset, epochs=2, verbose=0)
+  return np.concatenate([w.ravel() for w in model.get_weights()])
+
+
+def test_a_strategy_trains_on_the_batches_of_a_single_device_run():
+  """Upstream's symbolic build makes an iterator of the input, which draws the next shuffle seeds."""
+  single = _reshuffled_fit(tf.distribute.get_strategy())
+  mirrored = tf.distribute.MirroredStrategy(
+      _CPUS, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  patched = _reshuffled_fit(mirrored)
+  compat.revert()
+  try:
+    upstream = _reshuffled_fit(mirrored)
+  finally:
+    compat.apply()
+  # 2 replicas x 8 rows == 1 x 16 rows, up to the order of the reductions.
+  np.testing.assert_allclose(patched, single, rtol=1e-5, atol=1e-6)
+  assert np.abs(upstream - single).max() > 1e-2  # other batches in each epoch
+
+
 def test_apply_is_idempotent():
   before = {
       "fn": keras.src.backend.tensorflow.trainer.reduce_per_replica,

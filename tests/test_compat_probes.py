@@ -75,6 +75,12 @@ def _maybe_symbolic_build_batch_first(self, data_batch=None, iterator=None):
     self._symbolic_build(data_batch=data_batch)
 
 
+def _symbolic_build_from_values(self, iterator=None, data_batch=None):
+  # The batch's values are used, not only its shapes and dtypes: specs would not do.
+  y_pred = self(data_batch[0])
+  return self.compute_loss(data_batch[0], data_batch[1], y_pred)
+
+
 def _reduce_per_replica_fixed_upstream(values, strategy, reduction):
   if reduction == "auto":
     reduction = "mean"
@@ -229,6 +235,9 @@ CHANGES = {
         _Trainer, "_maybe_symbolic_build", _maybe_symbolic_build_batch_first,
         {"symbolic_build_batch"},
         "TensorFlowTrainer._maybe_symbolic_build no longer takes (self, iterator, data_batch, ...)"),
+    "symbolic_build_from_values": (_Trainer, "_symbolic_build", _symbolic_build_from_values,
+                                   {"symbolic_build_batch"},
+                                   "no longer contains `def to_symbolic_input(v):`"),
     "reduce_fixed_upstream": (tf_trainer, "reduce_per_replica",
                               _reduce_per_replica_fixed_upstream, {"reduce_mean_axis"},
                               "trainer.reduce_per_replica no longer contains "

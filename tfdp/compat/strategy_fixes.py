@@ -12,6 +12,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values
 
 from tfdp import cluster
 from tfdp.compat import multi_step
@@ -32,42 +33,72 @@ def _is_multi_replica(strategy):
 
 
 # ---------------------------------------------------------------------------
-# Fix: symbolic build from the first batch.
+# Fix: symbolic build from the input's element spec.
 
 
 def _probe_symbolic_build_batch():
-  # The patch calls upstream with (iterator=None, data_batch=batch): upstream
-  # must still build from `data_batch`, and still have the nest reduce.
+  # The patch calls upstream with (iterator=None, data_batch=specs or a
+  # batch): upstream must still build from `data_batch`, use only its shapes
+  # and dtypes, and still peek (and reduce) a batch otherwise; the specs come
+  # from the epoch iterator's distributed dataset.
   return [
       *probes.params(_Trainer, "_maybe_symbolic_build", ("self", "iterator", "data_batch")),
       *probes.reads(_Trainer, "_maybe_symbolic_build", "self._distribute_strategy",
                     "for _, _, it in iterator:", "self.distribute_strategy.reduce(",
                     "self._symbolic_build(data_batch=data_batch)", ordered=True),
+      *probes.reads(_Trainer, "_symbolic_build", "def to_symbolic_input(v):",
+                    "v.shape, backend.standardize_dtype(v.dtype)",
+                    "data_batch = tree.map_structure(to_symbolic_input, data_batch)",
+                    ordered=True),
+      *probes.reads(tf_trainer.TFEpochIterator, "__init__",
+                    "self._distributed_dataset = dataset"),
       *probes.multi_worker_attributes(),
   ]
 
 
+def _element_spec(epoch_iterator):
+  """One replica's spec of an element of the epoch iterator's distributed input, or None."""
+  spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
+  if spec is None:
+    return None
+  return tf.nest.map_structure(
+      lambda s: s._value_specs[0] if isinstance(s, values.PerReplicaSpec) else s,  # pylint: disable=protected-access
+      spec)
+
+
 @register("symbolic_build_batch", _probe_symbolic_build_batch,
           "fit and evaluate under a multi-worker MultiWorkerMirroredStrategy may fail "
-          "building the model from its first batch")
+          "building the model from its first batch, and under any strategy a reshuffling "
+          "dataset is seen one reshuffle later than without one")
 def _install_symbolic_build_batch():
   """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer._maybe_symbolic_build.
 
-  Upstream peeks at the first distributed batch and calls
-  `strategy.reduce("MEAN", batch, axis=None)` on the whole (x, y, sw) nest to
-  get one tensor per input. MultiWorkerMirroredStrategy's `reduce` does not
-  accept a nest, so `fit`/`evaluate` fail with "Attempt to convert a value
-  (PerReplica...) to a Tensor". Only shapes and dtypes are needed to build the
-  model, so under MultiWorkerMirroredStrategy the patch takes the first local
-  replica's value (no collective is launched) and hands that batch to the
-  upstream function.
+  Under a strategy upstream makes an iterator of the input, takes its first
+  distributed batch and calls `strategy.reduce("MEAN", batch, axis=None)` on
+  the whole (x, y, sw) nest to get one tensor per input, then discards that
+  iterator. MultiWorkerMirroredStrategy's `reduce` does not accept a nest,
+  so `fit`/`evaluate` fail with "Attempt to convert a value (PerReplica...)
+  to a Tensor". Under any strategy the extra iterator draws the next seeds of
+  every reshuffling `shuffle` in the pipeline, so each epoch sees the order a
+  run without a strategy sees one epoch later: the same script trains on
+  other batches on one device and on two. Only shapes and dtypes are used to
+  build the model, so the patch hands upstream the element spec of one
+  replica's input instead of a batch: no iterator is made, no batch read, no
+  collective launched. An input without an element spec goes to upstream
+  (under multi-worker MultiWorkerMirroredStrategy with its first local
+  replica's batch instead of the reduce).
   """
   original = _Trainer._maybe_symbolic_build  # pylint: disable=protected-access
 
   @functools.wraps(original)
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     strategy = self._distribute_strategy  # pylint: disable=protected-access
-    if iterator is None or not cluster.is_multi_worker(strategy):
+    if iterator is None or strategy is None:
+      return original(self, iterator=iterator, data_batch=data_batch)
+    spec = _element_spec(iterator)
+    if spec is not None:
+      return original(self, iterator=None, data_batch=spec)
+    if not cluster.is_multi_worker(strategy):
       return original(self, iterator=iterator, data_batch=data_batch)
     for _, _, it in iterator:
       data_batch = tree.map_structure(
