@@ -1,7 +1,8 @@
-"""Tests of tfdp.compat: Keras fit/evaluate/predict under real 2-worker MultiWorkerMirroredStrategy runs."""
+"""Tests of tfdp.compat: Keras fit/evaluate/predict under real 2-worker MultiWorkerMirroredStrategy runs and in-process mirrored strategies."""
 
 import dataclasses
 import io
+import itertools
 import os
 import sys
 
@@ -14,6 +15,8 @@ import keras
 from tfdp import compat
 from tfdp import errors
 from tfdp import launch
+from tfdp import strategy as tfdp_strategy
+from tfdp.compat import strategy_fixes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "compat_worker.py")
@@ -215,6 +218,112 @@ def test_mirrored_strategy_behaves_as_upstream():
   for a, b in zip(patched[3], upstream[3]):
     np.testing.assert_array_equal(a, b)
   assert patched[4] == []  # no BatchNormalization: the aggregation fix has nothing to do
+
+
+# Strategies over this process's 2 logical CPUs, and whether their step
+# launches collective ops whose instance key is fed at call time (so
+# upstream's steps_per_execution > 1 loop fails under them).
+_CPUS = ("/cpu:0", "/cpu:1")
+SPE_STRATEGIES = {
+    "mirrored_default": (lambda: tf.distribute.MirroredStrategy(_CPUS), True),
+    "tfdp_mirrored_ring": (
+        lambda: tfdp_strategy.make_strategy("mirrored", cpu_replicas=2, all_reduce="ring"), True),
+    "multi_worker_one_worker_two_replicas": (
+        lambda: tfdp_strategy._MultiWorkerCpuReplicasStrategy(  # pylint: disable=protected-access
+            2, tfdp_strategy.communication_options("ring")), True),
+    "mirrored_one_device": (lambda: tf.distribute.MirroredStrategy(_CPUS[:1]), False),
+    # tfdp.make_strategy's choice between CPU replicas: ReductionToOneDevice.
+    "tfdp_mirrored": (lambda: tfdp_strategy.make_strategy("mirrored", cpu_replicas=2), False),
+    "default": (tf.distribute.get_strategy, False),
+}
+_key_bases = itertools.count(200_000, 10_000)
+
+
+def _spe_fit(strategy, steps_per_execution):
+  """fit (4 steps: one execution of 3, one of 1) and evaluate; returns (weights, loss)."""
+  rng = np.random.RandomState(0)
+  x = rng.uniform(-1, 1, size=(64, 4)).astype("float32")
+  y = x.sum(axis=1, keepdims=True)
+  keras.utils.set_random_seed(4)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=steps_per_execution)
+  model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+  return model.get_weights(), model.evaluate(x, y, batch_size=16, verbose=0)
+
+
+@pytest.mark.parametrize("name", sorted(SPE_STRATEGIES))
+def test_steps_per_execution_inline_serves_every_strategy_whose_step_fails_upstream(
+    name, monkeypatch):
+  """The fix acts where the strategy's step defers collective keys, whatever the strategy's class.
+
+  Under a MirroredStrategy over 2 CPUs (the user's own, default cross-device
+  ops) and steps_per_execution=3, upstream's first step fails; with the fix
+  the run equals steps_per_execution=1 on the same strategy. Where the step
+  launches no such collectives, upstream runs and the fix leaves it alone.
+  """
+  # Each strategy its own collective keys: TF caches collective instances by
+  # key, and strategies of one process would otherwise share them.
+  base = next(_key_bases)
+  monkeypatch.setattr(tf.distribute.MirroredStrategy, "_collective_key_base", base)
+  monkeypatch.setattr(tf.distribute.MultiWorkerMirroredStrategy, "_collective_key_base", base)
+  make, defers = SPE_STRATEGIES[name]
+  strategy = make()
+  assert strategy_fixes.defers_collective_keys(strategy) == defers
+  fixed = _spe_fit(strategy, 3)
+  if defers:  # The inline loop runs the same steps as one step per execution.
+    one_step = _spe_fit(strategy, 1)
+    for a, b in zip(one_step[0], fixed[0]):
+      np.testing.assert_array_equal(a, b)
+    assert one_step[1] == fixed[1]
+  # Upstream last: its failure inside a step may leave the collectives unusable.
+  monkeypatch.setenv(compat.DISABLE_ENV, "steps_per_execution_inline")
+  compat.revert()
+  try:
+    assert "steps_per_execution_inline" not in compat.apply()
+    if defers:
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match="You must feed a value for placeholder tensor"):
+        _spe_fit(strategy, 3)
+    else:
+      upstream = _spe_fit(strategy, 3)
+      for a, b in zip(upstream[0], fixed[0]):
+        np.testing.assert_array_equal(a, b)
+      assert upstream[1] == fixed[1]
+  finally:
+    monkeypatch.delenv(compat.DISABLE_ENV)
+    compat.revert()
+    compat.apply()
+
+
+def _reshuffled_fit(strategy):
+  """2 epochs of SGD on a dataset reshuffled each epoch: the weights depend on the batches' order."""
+  rng = np.random.RandomState(1)
+  x = rng.uniform(-1, 1, size=(64, 4)).astype("float32")
+  y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32")
+  keras.utils.set_random_seed(5)  # Before the dataset: its shuffle seeds depend on it.
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=2).batch(16)
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.2), "mse")
+  model.fit(dataset, epochs=2, verbose=0)
+  return np.concatenate([w.ravel() for w in model.get_weights()])
+
+
+def test_a_strategy_trains_on_the_batches_of_a_single_device_run():
+  """Upstream's symbolic build makes an iterator of the input, which draws the next shuffle seeds."""
+  single = _reshuffled_fit(tf.distribute.get_strategy())
+  mirrored = tf.distribute.MirroredStrategy(
+      _CPUS, cross_device_ops=tf.distribute.ReductionToOneDevice())
+  patched = _reshuffled_fit(mirrored)
+  compat.revert()
+  try:
+    upstream = _reshuffled_fit(mirrored)
+  finally:
+    compat.apply()
+  # 2 replicas x 8 rows == 1 x 16 rows, up to the order of the reductions.
+  np.testing.assert_allclose(patched, single, rtol=1e-5, atol=1e-6)
+  assert np.abs(upstream - single).max() > 1e-2  # other batches in each epoch
 
 
 def test_apply_is_idempotent():

@@ -10,6 +10,9 @@ from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator as epoch_iterator_lib
 import pytest
 from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_utils
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.framework import ops
 
 from tfdp import compat
 
@@ -72,6 +75,12 @@ def _maybe_symbolic_build_batch_first(self, data_batch=None, iterator=None):
     self._symbolic_build(data_batch=data_batch)
 
 
+def _symbolic_build_from_values(self, iterator=None, data_batch=None):
+  # The batch's values are used, not only its shapes and dtypes: specs would not do.
+  y_pred = self(data_batch[0])
+  return self.compute_loss(data_batch[0], data_batch[1], y_pred)
+
+
 def _reduce_per_replica_fixed_upstream(values, strategy, reduction):
   if reduction == "auto":
     reduction = "mean"
@@ -97,6 +106,20 @@ def _build_with_mean_aggregation(self, input_shape):
 
 def _evaluate_without_verbose(self, x=None, y=None, batch_size=None, callbacks=None):
   return CallbackList(callbacks, add_progbar=True)  # pylint: disable=undefined-variable
+
+
+def _next_instance_key_fed_through_control_flow(self):
+  # Upstream forwards the call-time capture itself: the nested step works.
+  if self._use_unique_instance_key():
+    graph = ops.get_default_graph()
+    return graph.capture_call_time_value(self._next_instance_key, None, forward_to_callers=True)
+  return self._collective_keys.get_instance_key(self._group_key, self._device)
+
+
+def _get_cross_device_ops_renamed(self, value):
+  # MirroredExtended keeps its cross-device ops under another name: the fix
+  # would not see a collective-based strategy.
+  return self._reducer
 
 
 def _initialize_multi_worker_without_counts(self, cluster_resolver):
@@ -169,8 +192,7 @@ def _exec_get_iterator():
 
 
 _DELETED = object()
-_TELL_WORKERS_APART = {"symbolic_build_batch", "reduce_mean_axis", "steps_per_execution_inline",
-                       "chief_only_verbose"}
+_TELL_WORKERS_APART = {"symbolic_build_batch", "reduce_mean_axis", "chief_only_verbose"}
 
 # One upstream change per assumption family of each fix: (upstream owner,
 # attribute, what it becomes, the fixes skipped, what their reason says).
@@ -213,10 +235,29 @@ CHANGES = {
         _Trainer, "_maybe_symbolic_build", _maybe_symbolic_build_batch_first,
         {"symbolic_build_batch"},
         "TensorFlowTrainer._maybe_symbolic_build no longer takes (self, iterator, data_batch, ...)"),
+    "symbolic_build_from_values": (_Trainer, "_symbolic_build", _symbolic_build_from_values,
+                                   {"symbolic_build_batch"},
+                                   "no longer contains `def to_symbolic_input(v):`"),
     "reduce_fixed_upstream": (tf_trainer, "reduce_per_replica",
                               _reduce_per_replica_fixed_upstream, {"reduce_mean_axis"},
                               "trainer.reduce_per_replica no longer contains "
                               "`strategy.reduce(\"MEAN\", v, axis=0)`"),
+    # steps_per_execution_inline: the cause it works around, and where it
+    # reads which collectives a strategy's step launches.
+    "instance_key_fed_through_control_flow": (
+        cross_device_utils.CollectiveReplicaLauncher, "_next_instance_key",
+        _next_instance_key_fed_through_control_flow, {"steps_per_execution_inline"},
+        "CollectiveReplicaLauncher._next_instance_key no longer contains "
+        "`while getattr(graph, 'is_control_flow_graph', False):`"),
+    "mirrored_cross_device_ops_renamed": (
+        mirrored_strategy.MirroredExtended, "_get_cross_device_ops",
+        _get_cross_device_ops_renamed, {"steps_per_execution_inline"},
+        "MirroredExtended._get_cross_device_ops no longer contains "
+        "`return self._cross_device_ops`"),
+    "unique_instance_key_gone": (cross_device_utils.CollectiveReplicaLauncher,
+                                 "_use_unique_instance_key", _DELETED,
+                                 {"steps_per_execution_inline"},
+                                 "no longer has _use_unique_instance_key"),
     "train_function_elsewhere": (_Trainer, "make_train_function", _make_train_function_elsewhere,
                                  {"steps_per_execution_inline"},
                                  "TensorFlowTrainer.make_train_function no longer contains "

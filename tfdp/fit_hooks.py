@@ -43,6 +43,7 @@ class FitRun:
   """One `model.fit` call in progress."""
   model: object
   wants_data_state: bool
+  epochs: int = 1
   epoch_iterator: object = None
   dataset: iterators.CheckpointableDataset | iterators.LocalDataset | None = None
   not_saved_reason: str | None = None
@@ -107,7 +108,7 @@ def wrap_fit(original):
       wants = any(getattr(c, "wants_data_state", False) for c in callbacks)
     else:  # A CallbackList.
       wants = any(getattr(c, "wants_data_state", False) for c in callbacks.callbacks)
-    _stack().append(FitRun(self, wants))
+    _stack().append(FitRun(self, wants, int(bound.arguments.get("epochs") or 1)))
     try:
       return original(*bound.args, **bound.kwargs)
     finally:
@@ -153,26 +154,35 @@ def _swap_in_checkpointable(run: FitRun, epoch_iterator) -> None:
   if adapter not in SERIALIZABLE_ADAPTERS:
     run.not_saved_reason = f"a {adapter} input runs Python code tf.data cannot save"
     return
+  dataset = _checkpointable_input(run, epoch_iterator, adapter, strategy)
+  if dataset is None:
+    return
+  # Keras makes at most 2 iterators per epoch (one as an epoch ends, one as
+  # the next begins): after a restore each starts as in the saved run.
+  dataset.later_iterators = 2 * run.epochs
+  run.dataset = dataset
+  epoch_iterator._distributed_dataset = dataset  # pylint: disable=protected-access
+  logging.info("tfdp: the training data of this fit saves its position with each backup.")
+
+
+def _checkpointable_input(run, epoch_iterator, adapter, strategy):
+  """The checkpointable twin of the fit's training input, or None (why: `run.not_saved_reason`)."""
   dataset = epoch_iterator.data_adapter.get_tf_dataset()
   if not isinstance(dataset, tf.data.Dataset):  # Distributed by the user (e.g. tfdp.data).
     try:
-      run.dataset = iterators.checkpointable(dataset)
+      return iterators.checkpointable(dataset)
     except errors.ConfigError as e:
       run.not_saved_reason = f"the input is a distributed dataset tfdp cannot save: {e}"
-      return
-    epoch_iterator._distributed_dataset = run.dataset  # pylint: disable=protected-access
-    return
+      return None
   if not isinstance(epoch_iterator._distributed_dataset,  # pylint: disable=protected-access
                     (tf.distribute.DistributedDataset, tf.data.Dataset)):
     run.not_saved_reason = f"{type(strategy).__name__} does not distribute datasets"
-    return
+    return None
   # Keras shuffles arrays with tf.random.shuffle, which draws the same
   # permutation in every new iterator; its kernel state needs no saving.
   policy = (tf.data.experimental.ExternalStatePolicy.IGNORE
             if adapter == "ArrayDataAdapter" else None)
-  run.dataset = iterators.checkpointable(dataset, strategy, external_state_policy=policy)
-  epoch_iterator._distributed_dataset = run.dataset  # pylint: disable=protected-access
-  logging.info("tfdp: the training data of this fit saves its position with each backup.")
+  return iterators.checkpointable(dataset, strategy, external_state_policy=policy)
 
 
 def wrap_enumerate_iterator(original):

@@ -248,12 +248,32 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
 
 
 class _MakesIterators:
-  """What both checkpointable datasets do: count their iterators, start the next at a saved position."""
+  """What both checkpointable datasets do: count their iterators, start the next at a saved position.
+
+  Each new iterator of a pipeline with `shuffle(seed=...)` draws that
+  shuffle's seeds from a generator the dataset keeps, so an iterator's order
+  depends on how many were made before it: a resumed run makes as many
+  before the one it restores. Restoring an iterator's state sets that
+  generator back to where the saved run had it, but not always (TF 2.21:
+  when an asynchronous transformation, a parallel map, interleave or batch,
+  reads from a `prefetch` and is read by one, e.g. Keras's `class_weight`
+  map after a pipeline that ends in `prefetch`, the restore draws once more
+  instead; which happens can vary between runs). So before it restores one,
+  it takes the fresh states of the `later_iterators` iterators the saved run
+  makes next (their seeds drawn in order), and gives them to the iterators
+  it makes after: those start as the saved run's did, whatever the restore
+  did to the generator.
+  """
 
   def _setup(self, external_state_policy):
     self.external_state_policy = external_state_policy
     self.iterators_made = 0
     self.current = None
+    # How many iterators after a restored one start from states taken before
+    # the restore (tfdp.fit_hooks: 2 per epoch of the fit, what Keras makes).
+    self.later_iterators = 0
+    self._later_states = []
+    self._restored = False
     self._pending = None
     self._lock = threading.Lock()
 
@@ -271,16 +291,32 @@ class _MakesIterators:
       return super().__iter__()
     with self._lock:
       pending, self._pending = self._pending, None
-    if pending is not None:
-      # A fresh iterator draws the same shuffle seeds as the one it replaces
-      # only if as many iterators were made before it.
-      while self.iterators_made < pending[1]:
-        self._make()
+    if pending is None:
+      it = self._make()
+      if self._later_states:
+        it.restore_state(self._later_states.pop(0))
+      elif self._restored:
+        self._restored = False
+        logging.warning(
+            "tfdp: this input made more iterators after a resume than were prepared "
+            "(%d); from here its shuffle order may differ from an uninterrupted run's.",
+            self.later_iterators)
+      return it
+    state, made, skip = pending
+    # A fresh iterator draws the same shuffle seeds as the one it replaces
+    # only if as many iterators were made before it.
+    while self.iterators_made < made:
+      self._make()
     it = self._make()
-    if pending is not None:
-      if pending[0]:
-        it.restore_state(pending[0])
-      it.skip_steps(pending[2])
+    self._later_states, self._restored = [], False
+    if state:
+      for _ in range(self.later_iterators):
+        probe = self._new_iterator()
+        probe._dataset = self  # pylint: disable=protected-access
+        self._later_states.append(probe.state_tensor())
+      self._restored = True
+      it.restore_state(state)
+    it.skip_steps(skip)
     return it
 
   def _make(self):

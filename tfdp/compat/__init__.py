@@ -1,4 +1,4 @@
-"""Version-gated, probed Keras 3 fixes for fit/evaluate/predict under MultiWorkerMirroredStrategy.
+"""Version-gated, probed Keras 3 fixes for fit/evaluate/predict under mirrored strategies (one worker or several).
 
 `apply()` (run by `import tfdp` before any part of tfdp that may use Keras)
 installs every fix whose probe finds the upstream code it patches as the fix

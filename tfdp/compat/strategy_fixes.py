@@ -8,6 +8,11 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.layers import layer as keras_layer
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import cross_device_utils
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values
 
 from tfdp import cluster
 from tfdp.compat import multi_step
@@ -28,42 +33,72 @@ def _is_multi_replica(strategy):
 
 
 # ---------------------------------------------------------------------------
-# Fix: symbolic build from the first batch.
+# Fix: symbolic build from the input's element spec.
 
 
 def _probe_symbolic_build_batch():
-  # The patch calls upstream with (iterator=None, data_batch=batch): upstream
-  # must still build from `data_batch`, and still have the nest reduce.
+  # The patch calls upstream with (iterator=None, data_batch=specs or a
+  # batch): upstream must still build from `data_batch`, use only its shapes
+  # and dtypes, and still peek (and reduce) a batch otherwise; the specs come
+  # from the epoch iterator's distributed dataset.
   return [
       *probes.params(_Trainer, "_maybe_symbolic_build", ("self", "iterator", "data_batch")),
       *probes.reads(_Trainer, "_maybe_symbolic_build", "self._distribute_strategy",
                     "for _, _, it in iterator:", "self.distribute_strategy.reduce(",
                     "self._symbolic_build(data_batch=data_batch)", ordered=True),
+      *probes.reads(_Trainer, "_symbolic_build", "def to_symbolic_input(v):",
+                    "v.shape, backend.standardize_dtype(v.dtype)",
+                    "data_batch = tree.map_structure(to_symbolic_input, data_batch)",
+                    ordered=True),
+      *probes.reads(tf_trainer.TFEpochIterator, "__init__",
+                    "self._distributed_dataset = dataset"),
       *probes.multi_worker_attributes(),
   ]
 
 
+def _element_spec(epoch_iterator):
+  """One replica's spec of an element of the epoch iterator's distributed input, or None."""
+  spec = getattr(getattr(epoch_iterator, "_distributed_dataset", None), "element_spec", None)
+  if spec is None:
+    return None
+  return tf.nest.map_structure(
+      lambda s: s._value_specs[0] if isinstance(s, values.PerReplicaSpec) else s,  # pylint: disable=protected-access
+      spec)
+
+
 @register("symbolic_build_batch", _probe_symbolic_build_batch,
           "fit and evaluate under a multi-worker MultiWorkerMirroredStrategy may fail "
-          "building the model from its first batch")
+          "building the model from its first batch, and under any strategy a reshuffling "
+          "dataset is seen one reshuffle later than without one")
 def _install_symbolic_build_batch():
   """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer._maybe_symbolic_build.
 
-  Upstream peeks at the first distributed batch and calls
-  `strategy.reduce("MEAN", batch, axis=None)` on the whole (x, y, sw) nest to
-  get one tensor per input. MultiWorkerMirroredStrategy's `reduce` does not
-  accept a nest, so `fit`/`evaluate` fail with "Attempt to convert a value
-  (PerReplica...) to a Tensor". Only shapes and dtypes are needed to build the
-  model, so under MultiWorkerMirroredStrategy the patch takes the first local
-  replica's value (no collective is launched) and hands that batch to the
-  upstream function.
+  Under a strategy upstream makes an iterator of the input, takes its first
+  distributed batch and calls `strategy.reduce("MEAN", batch, axis=None)` on
+  the whole (x, y, sw) nest to get one tensor per input, then discards that
+  iterator. MultiWorkerMirroredStrategy's `reduce` does not accept a nest,
+  so `fit`/`evaluate` fail with "Attempt to convert a value (PerReplica...)
+  to a Tensor". Under any strategy the extra iterator draws the next seeds of
+  every reshuffling `shuffle` in the pipeline, so each epoch sees the order a
+  run without a strategy sees one epoch later: the same script trains on
+  other batches on one device and on two. Only shapes and dtypes are used to
+  build the model, so the patch hands upstream the element spec of one
+  replica's input instead of a batch: no iterator is made, no batch read, no
+  collective launched. An input without an element spec goes to upstream
+  (under multi-worker MultiWorkerMirroredStrategy with its first local
+  replica's batch instead of the reduce).
   """
   original = _Trainer._maybe_symbolic_build  # pylint: disable=protected-access
 
   @functools.wraps(original)
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     strategy = self._distribute_strategy  # pylint: disable=protected-access
-    if iterator is None or not cluster.is_multi_worker(strategy):
+    if iterator is None or strategy is None:
+      return original(self, iterator=iterator, data_batch=data_batch)
+    spec = _element_spec(iterator)
+    if spec is not None:
+      return original(self, iterator=None, data_batch=spec)
+    if not cluster.is_multi_worker(strategy):
       return original(self, iterator=iterator, data_batch=data_batch)
     for _, _, it in iterator:
       data_batch = tree.map_structure(
@@ -126,11 +161,48 @@ def _install_reduce_mean_axis():
 # ---------------------------------------------------------------------------
 # Fix: steps_per_execution > 1.
 
+# Where a strategy's extended keeps the cross-device ops its steps reduce
+# with: MirroredExtended (the device all-reduce) and
+# CollectiveAllReduceExtended (that, and one for host tensors).
+_CROSS_DEVICE_OPS_ATTRS = ("_cross_device_ops", "_host_cross_device_ops")
+
+
+def defers_collective_keys(strategy) -> bool:
+  """Whether a step of `strategy` launches collective ops whose instance key is fed at call time.
+
+  It does when the cross-device ops its steps all-reduce with are
+  `CollectiveAllReduce` over more than one participant (devices of this
+  worker and of the others) and its launchers take unique instance keys
+  (TF 2: `CollectiveReplicaLauncher._next_instance_key` captures the key as a
+  call-time value of the function being built). That is
+  MultiWorkerMirroredStrategy on several workers or several local replicas,
+  and MirroredStrategy over several devices with its default cross-device ops
+  (or any collective-based ones); not one replica, not the default strategy,
+  not a MirroredStrategy that reduces with ReductionToOneDevice,
+  HierarchicalCopyAllReduce or NcclAllReduce.
+  """
+  if strategy is None:
+    return False
+  extended = strategy.extended
+  for attr in _CROSS_DEVICE_OPS_ATTRS:
+    ops = getattr(extended, attr, None)
+    if (isinstance(ops, cross_device_ops_lib.CollectiveAllReduce)
+        and ops._group_size > 1  # pylint: disable=protected-access
+        and any(launcher._use_unique_instance_key()  # pylint: disable=protected-access
+                for launcher in ops._launchers)):  # pylint: disable=protected-access
+      return True
+  return False
+
 
 def _probe_steps_per_execution_inline():
   # The inline loop copies upstream's (tfdp.compat.multi_step): the bug's
   # shape, the private names both use, and that train/test functions are
-  # still made by `_make_function`.
+  # still made by `_make_function`. `defers_collective_keys` reads where the
+  # strategies keep their cross-device ops, which ones the steps use, and
+  # how a launcher takes its instance keys (the cause: a call-time capture
+  # that control flow moves to the outer function graph, which the nested
+  # step function's caller does not feed).
+  launcher = cross_device_utils.CollectiveReplicaLauncher
   return [
       *probes.params(_Trainer, "_make_function", ("self", "step_function")),
       *probes.reads(_Trainer, "_make_function", "one_step_on_data = tf.function(",
@@ -141,13 +213,26 @@ def _probe_steps_per_execution_inline():
       *probes.reads(_Trainer, "make_train_function", "self._make_function(self.train_step)"),
       *probes.reads(_Trainer, "make_test_function", "self._make_function(self.test_step)"),
       *probes.reads(_Trainer, "__init__", "self.unrolled_steps_per_execution = "),
-      *probes.multi_worker_attributes(),
+      *probes.reads(launcher, "_next_instance_key", "if self._use_unique_instance_key():",
+                    "while getattr(graph, 'is_control_flow_graph', False):",
+                    "graph = graph.outer_graph", "graph.capture_call_time_value(", ordered=True),
+      *probes.defines(launcher, "_use_unique_instance_key"),
+      *probes.reads(cross_device_ops_lib.CollectiveAllReduce, "__init__",
+                    "self._group_size = group_size", "self._launchers.append(launcher)"),
+      *probes.reads(mirrored_strategy.MirroredExtended, "_initialize_strategy",
+                    "self._cross_device_ops = self._collective_ops"),
+      *probes.reads(mirrored_strategy.MirroredExtended, "_get_cross_device_ops",
+                    "return self._cross_device_ops"),
+      *probes.reads(collective_all_reduce_strategy.CollectiveAllReduceExtended,
+                    "_get_cross_device_ops", "return self._cross_device_ops",
+                    "return self._host_cross_device_ops"),
   ]
 
 
 @register("steps_per_execution_inline", _probe_steps_per_execution_inline,
-          "fit and evaluate with steps_per_execution > 1 under a multi-worker "
-          "MultiWorkerMirroredStrategy may fail")
+          "fit and evaluate with steps_per_execution > 1 fail under a strategy that "
+          "all-reduces with collective ops (MultiWorkerMirroredStrategy; MirroredStrategy "
+          "over several devices with its default cross-device ops)")
 def _install_steps_per_execution_inline():
   """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer._make_function.
 
@@ -156,22 +241,25 @@ def _install_steps_per_execution_inline():
   (`multi_step_on_iterator`). Collective ops (the gradient all-reduce) take
   their instance key from a call-time capture
   (tensorflow/python/distribute/cross_device_utils.py
-  CollectiveReplicaLauncher._next_instance_key) that a nested function call
-  inside control flow does not forward, so `fit`/`evaluate` fail with "You
-  must feed a value for placeholder tensor '.../while/cond/Placeholder' with
-  dtype int32". Under multi-worker MultiWorkerMirroredStrategy with
-  `steps_per_execution > 1` (and no `jit_compile`, no `run_eagerly`) the patch
-  builds the same loop with the step traced inline, so the collectives live
-  in the outer function, as in tf-keras; all other cases go to upstream.
-  (MirroredStrategy on several CPUs has the same upstream failure; it is left
-  as upstream.)
+  CollectiveReplicaLauncher._next_instance_key), which control flow puts in
+  the graph of the function around it: the step function's own graph, whose
+  caller inside the loop does not feed it. `fit`/`evaluate` then fail with
+  "You must feed a value for placeholder tensor '.../while/cond/Placeholder'
+  with dtype int32". Under every strategy whose step launches such
+  collectives (`defers_collective_keys`: MultiWorkerMirroredStrategy with
+  more than one replica in all, MirroredStrategy over several devices with
+  collective cross-device ops, its default) and with `steps_per_execution >
+  1` (and no `jit_compile`, no `run_eagerly`), the patch builds the same loop
+  with the step traced inline, so the collectives live in the outer
+  function, whose call feeds their keys, as in tf-keras; all other cases go
+  to upstream.
   """
   original = _Trainer._make_function  # pylint: disable=protected-access
 
   @functools.wraps(original)
   def _make_function(self, step_function):
     if (self.steps_per_execution <= 1 or self.run_eagerly or self.jit_compile
-        or not cluster.is_multi_worker(self.distribute_strategy)):
+        or not defers_collective_keys(self.distribute_strategy)):
       return original(self, step_function)
     return multi_step.inline_multi_step_function(self, step_function)
 
