@@ -18,7 +18,7 @@ SCRIPTS = {
     "bench_tiers.py": ["machine", "parts", "results"],
 }
 # Extra flags of a script's smoke run (its other parts start many processes).
-EXTRA = {"bench_tiers.py": ["--parts=throughput", "--fit_variants=none,local"]}
+EXTRA = {"bench_tiers.py": ["--parts=throughput", "--fit_variants=none,local", "--local_every=auto"]}
 
 
 @pytest.fixture(scope="module")
@@ -65,5 +65,7 @@ def test_smoke_writes_json(results, script):
   if script == "bench_resume.py":
     assert {r["variant"] for r in data["rows"]} == {"tfdp", "stock"}
   if script == "bench_tiers.py":
-    assert data["results"]["throughput"]["ratio_local_vs_none"] > 0
+    throughput = data["results"]["throughput"]
+    assert throughput["targets"]["local@auto"]["ratio"] > 0
+    assert all(i >= 1 for i in throughput["local_interval"]["local@auto"]), throughput
 

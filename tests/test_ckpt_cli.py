@@ -33,8 +33,10 @@ def dirs(tmp_path_factory):
   y = (x.sum(axis=1) > 0).astype("int32")
   strategy = tfdp.make_strategy()
   with strategy.scope():
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(256, activation="relu"),
-                              keras.layers.Dense(2)])
+    # Named: Keras numbers unnamed layers by how many came before them in this process.
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(256, activation="relu",
+                                                                    name="dense"),
+                              keras.layers.Dense(2, name="dense_1")], name="sequential")
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   backup = tfdp.callbacks.BackupAndRestore(str(root / "backup"), save_freq=11,
                                            delete_checkpoint=False)
@@ -126,7 +128,7 @@ def test_inspect_summarizes_then_lists_the_users_variables(dirs):
   assert names == sorted(names) and names[0].startswith("model/"), names  # model, then optimizer
   assert re.search(r"^model/sequential/dense/kernel +\[8, 256\] +float32 +8\.2 KB$", table, re.M)
   assert ".ATTRIBUTES" not in out and "_CHECKPOINTABLE_OBJECT_GRAPH" not in out
-  assert re.fullmatch(r"14 tensors, [\d.]+ KB \(model [\d.]+ KB, optimizer [\d.]+ KB\); 9 internal "
+  assert re.fullmatch(r"14 tensors, [\d.]+ KB \(model [\d.]+ KB, optimizer [\d.]+ KB\); 10 internal "
                       r"entries .* not listed: --all lists them", lines[-1]), lines[-1]
 
 
@@ -134,10 +136,11 @@ def test_inspect_all_lists_the_internal_entries_last(dirs):
   code, out, _ = _cli("inspect", os.path.join(dirs["backup"], "ckpt-11"), "--all")
   assert code == 0
   names = [l.split()[0] for l in out.split("\n\n")[1].splitlines()[1:-1]]
-  assert len(names) == 23 and names[:14] == sorted(names[:14]), names
+  assert len(names) == 24 and names[:14] == sorted(names[:14]), names
   assert set(names[14:]) == {
       "_CHECKPOINTABLE_OBJECT_GRAPH", "_tfdp_per_worker/0/data/.ATTRIBUTES/kind",
-      "_tfdp_per_worker/0/data/.ATTRIBUTES/made", "_tfdp_per_worker/0/data/.ATTRIBUTES/state",
+      "_tfdp_per_worker/0/data/.ATTRIBUTES/made", "_tfdp_per_worker/0/data/.ATTRIBUTES/skip",
+      "_tfdp_per_worker/0/data/.ATTRIBUTES/state",
       "data_topology", "keras_epoch", "keras_step_in_epoch", "run_config/.ATTRIBUTES/py_state",
       "save_counter"}, names
   assert "not listed" not in out

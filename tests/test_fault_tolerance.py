@@ -127,25 +127,25 @@ def _slurm_env(monkeypatch, procid, port):
 
 
 def test_a_slurm_step_resolves_to_a_cluster_without_tf_config(monkeypatch):
-  from tfdp import strategy  # pylint: disable=g-import-not-at-top
+  from tfdp import environment  # pylint: disable=g-import-not-at-top
   _slurm_env(monkeypatch, 2, 9100)
-  resolver, config = strategy.resolve_cluster("auto")
+  resolver, config = environment.resolve_cluster("auto")
   assert resolver is not None
   assert config == {"cluster": {"worker": ["node1:9100", "node1:9101", "node2:9100"]},
                     "task": {"type": "worker", "index": 2}}
-  assert strategy.num_cluster_workers(config) == 3
+  assert environment.num_cluster_workers(config) == 3
   # TF_CONFIG wins under auto; an explicit choice is honoured.
   monkeypatch.setenv("TF_CONFIG", json.dumps(
       {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}))
-  assert strategy.resolve_cluster("auto")[0] is None
-  assert strategy.resolve_cluster("slurm")[1]["task"]["index"] == 2
+  assert environment.resolve_cluster("auto")[0] is None
+  assert environment.resolve_cluster("slurm")[1]["task"]["index"] == 2
   monkeypatch.delenv("SLURM_PROCID")
   monkeypatch.delenv("TF_CONFIG")
-  assert strategy.resolve_cluster("auto") == (None, None)
+  assert environment.resolve_cluster("auto") == (None, None)
   with pytest.raises(errors.ConfigError, match="needs a SLURM job step"):
-    strategy.resolve_cluster("slurm")
+    environment.resolve_cluster("slurm")
   with pytest.raises(errors.ConfigError, match="Unknown cluster 'k8s'"):
-    strategy.resolve_cluster("k8s")
+    environment.resolve_cluster("k8s")
 
 
 def test_heartbeat_callback_writes_the_step_and_is_a_no_op_without_a_file(tmp_path, monkeypatch):

@@ -368,7 +368,7 @@ def test_a_rerun_without_the_launcher_is_a_restart(tmp_path):
   assert killed.returncode == -signal.SIGKILL, killed.stdout
   done = run()
   assert done.returncode == 0, done.stdout
-  lines = [l for l in done.stdout.splitlines() if "goodput" in l]
+  lines = [l for l in done.stdout.splitlines() if l.startswith("tfdp: goodput")]
   assert len(lines) == 1 and lines[0].startswith("tfdp: goodput "), done.stdout
   assert ": 1 restart (" in lines[0] and ", 7 steps recomputed (" in lines[0], lines[0]
   s = json.loads((model_dir / "goodput.json").read_text())
@@ -395,7 +395,7 @@ def test_the_goodput_line_comes_before_delete_checkpoint_removes_the_backups(tmp
   done = run()
   assert done.returncode == 0, done.stdout + done.stderr[-3000:]
   assert "trained to step 40, restored 20" in done.stdout, done.stdout
-  lines = [l for l in done.stdout.splitlines() if "goodput" in l]
+  lines = [l for l in done.stdout.splitlines() if l.startswith("tfdp: goodput")]
   assert len(lines) == 1, done.stdout
   # Killed at step 23 after the backup of step 20: 21..23 came again.
   assert lines[0].startswith("tfdp: goodput ") and ": 1 restart (" in lines[0], lines[0]

@@ -160,7 +160,8 @@ def test_bad_tf_config_gives_a_clear_error():
 @pytest.mark.parametrize("fields, message", [
     ({"local_checkpoint_every_steps": 5}, "need --model_dir"),
     ({"local_checkpoint_dir": "/dev/shm/x", "model_dir": "m"}, "takes effect with"),
-    ({"local_checkpoint_every_steps": 0, "model_dir": "m"}, "must be >= 1"),
+    ({"local_checkpoint_every_steps": -1, "model_dir": "m"}, "pass a positive number of steps"),
+    ({"local_checkpoint_every_steps": "often", "model_dir": "m"}, "or 'auto'"),
 ])
 def test_local_tier_flags_are_checked_before_anything_starts(fields, message):
   from tfdp import errors  # pylint: disable=g-import-not-at-top

@@ -215,10 +215,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     if self.resumed.restored:
       logging.info("Restored %s at step %d.", prefix, self.resumed.step)
       if announce:
-        self._announce("data from the step")
+        self.announce()
     return self.resumed
 
-  def _announce(self, data):
+  def announce(self, data: str = "data from the step"):
     """The resume line, on the chief's stdout (a Keras script shows no absl INFO lines)."""
     if self.resumed.restored and self.manager.is_chief:
       print(f"tfdp: {self.resumed.describe(data)}", flush=True)
@@ -288,7 +288,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.model._initial_epoch = epoch  # pylint: disable=protected-access
       skipped, data = resume_lib.resume_data(resumed, self.model, self.backup_dir,
                                              self.restart_epoch_data)
-      self._announce(data)
+      self.announce(data)
       self._preempted = False
       if self._preemption is not None:
         self._preemption.handler.install()

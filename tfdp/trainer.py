@@ -288,7 +288,7 @@ def run(config):
         local_checkpoint_every_steps=config.local_checkpoint_every_steps,
         checkpoint_overhead=config.checkpoint_overhead,
         keep_best=config.keep_best_spec())
-    resumed = backup.restore(model)
+    resumed = backup.restore(model, announce=False)
   start_step = resumed.step
   if resumed.restored and start_step >= config.train_steps:
     path = backup.manager.latest_checkpoint
@@ -297,6 +297,8 @@ def run(config):
                         + ("" if start_step == config.train_steps else
                            f" (past --train_steps={config.train_steps})")])
     return TrainResult(model, start_step, start_step, path, [], already_complete=True)
+  if backup:
+    backup.announce()
 
   timings = summaries.Timings()
   cbs = []
