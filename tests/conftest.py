@@ -1,5 +1,6 @@
 """Shared test set-up: quiet TF logs, two logical CPUs in-process, a real multi-worker runner."""
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -33,6 +34,19 @@ def launch_workers(command, num_workers=2, env=None, timeout=300):
                         stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
                         check=False)
   return proc.returncode, proc.stdout.decode("utf-8", errors="replace")
+
+
+def run_all(calls, parallel=2):
+  """Calls each of `calls` (functions of no arguments), `parallel` at a time.
+
+  For independent processes of one test: a process that starts TensorFlow
+  spends seconds on one core, so two at a time use both cores of a small host.
+
+  Returns:
+    Their results, in the order of `calls`.
+  """
+  with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+    return list(pool.map(lambda call: call(), calls))
 
 
 @pytest.fixture

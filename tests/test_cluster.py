@@ -217,6 +217,7 @@ print("RESULT", w.index, w.count, w.is_chief, w.task, w.peers, refused,
 """
 
 
+@pytest.mark.slow
 def test_resolve_and_agree_across_two_real_workers():
   code, out = launch_workers([sys.executable, "-c", WORKER], num_workers=2, timeout=180)
   assert code == 0, out

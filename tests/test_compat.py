@@ -66,6 +66,7 @@ def full_run(tmp_path_factory):
   return results
 
 
+@pytest.mark.slow
 def test_fit_identical_on_workers_and_equal_to_one_replica(full_run):
   w0, w1 = full_run
   _assert_same(w0, w1, "seq_w")
@@ -76,6 +77,7 @@ def test_fit_identical_on_workers_and_equal_to_one_replica(full_run):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluate_identical_on_workers_and_global(full_run):
   w0, w1 = full_run
   np.testing.assert_array_equal(w0["seq_eval"], w1["seq_eval"])
@@ -83,6 +85,7 @@ def test_evaluate_identical_on_workers_and_global(full_run):
   np.testing.assert_allclose(w0["seq_eval"], w0["seq_ref_eval"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_predict_returns_every_row_in_order(full_run):
   for w in full_run:
     assert w["seq_pred"].shape == (70, 1)
@@ -91,6 +94,7 @@ def test_predict_returns_every_row_in_order(full_run):
                                 full_run[1]["seq_pred"])
 
 
+@pytest.mark.slow
 def test_dict_inputs_two_outputs_batch_norm_steps_per_execution(full_run):
   w0, w1 = full_run
   _assert_same(w0, w1, "multi_w")
@@ -118,6 +122,7 @@ def test_every_fix_has_a_probe():
   assert set(PROBES) | set(TESTED_ELSEWHERE) == set(compat.fixes())
 
 
+@pytest.mark.slow
 def test_progress_bars_only_on_the_chief_unless_asked(run_workers):
   code, out = run_workers([sys.executable, os.path.join(os.path.dirname(WORKER),
                                                         "verbose_worker.py")])
@@ -129,6 +134,7 @@ def test_progress_bars_only_on_the_chief_unless_asked(run_workers):
   assert len(bars[1]) == 1 and "loss" in bars[1][0], bars[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fix", sorted(PROBES))
 def test_fix_is_needed(fix, tmp_path):
   part, error = PROBES[fix]

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tfdp import cluster
 from tfdp import errors
 from tfdp import heartbeat
 from tfdp import launch
@@ -16,6 +17,7 @@ from tfdp.checkpoint import faults
 from tests.workers import ft_common
 
 
+@pytest.mark.slow
 def test_a_survivor_exits_within_the_bound_naming_the_lost_peer(tmp_path):
   out = open(tmp_path / "log.txt", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
   cmd = ft_common.command(str(tmp_path / "model"))
@@ -78,6 +80,7 @@ def _plan(seed):
 TIERS = ["--checkpoint_every_steps=100", "--local_checkpoint_every_steps=5"]
 
 
+@pytest.mark.slow
 def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_path, tmp_path_factory):
   """Local tier every 5 steps, persistent every 100: each SIGKILL costs at most a few steps.
 
@@ -127,25 +130,24 @@ def _slurm_env(monkeypatch, procid, port):
 
 
 def test_a_slurm_step_resolves_to_a_cluster_without_tf_config(monkeypatch):
-  from tfdp import strategy  # pylint: disable=g-import-not-at-top
   _slurm_env(monkeypatch, 2, 9100)
-  resolver, config = strategy.resolve_cluster("auto")
+  resolver, config = cluster.resolve_cluster("auto")
   assert resolver is not None
   assert config == {"cluster": {"worker": ["node1:9100", "node1:9101", "node2:9100"]},
                     "task": {"type": "worker", "index": 2}}
-  assert strategy.num_cluster_workers(config) == 3
+  assert cluster.num_cluster_workers(config) == 3
   # TF_CONFIG wins under auto; an explicit choice is honoured.
   monkeypatch.setenv("TF_CONFIG", json.dumps(
       {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}))
-  assert strategy.resolve_cluster("auto")[0] is None
-  assert strategy.resolve_cluster("slurm")[1]["task"]["index"] == 2
+  assert cluster.resolve_cluster("auto")[0] is None
+  assert cluster.resolve_cluster("slurm")[1]["task"]["index"] == 2
   monkeypatch.delenv("SLURM_PROCID")
   monkeypatch.delenv("TF_CONFIG")
-  assert strategy.resolve_cluster("auto") == (None, None)
+  assert cluster.resolve_cluster("auto") == (None, None)
   with pytest.raises(errors.ConfigError, match="needs a SLURM job step"):
-    strategy.resolve_cluster("slurm")
+    cluster.resolve_cluster("slurm")
   with pytest.raises(errors.ConfigError, match="Unknown cluster 'k8s'"):
-    strategy.resolve_cluster("k8s")
+    cluster.resolve_cluster("k8s")
 
 
 def test_heartbeat_callback_writes_the_step_and_is_a_no_op_without_a_file(tmp_path, monkeypatch):

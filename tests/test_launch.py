@@ -427,6 +427,7 @@ def imports():
   return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(_IMPORTS))
 def test_tfdp_is_lazy_and_applies_compat_before_it_is_used(imports, case):
   code, out = imports[case]

@@ -54,6 +54,7 @@ def held(tmp_path_factory):
   proc.wait()
 
 
+@pytest.mark.slow
 def test_a_second_job_is_refused_before_it_deletes_anything(held):
   d, proc = held
   # Leftovers a cleanup would delete: a torn save's temp dir and a torn manifest.
@@ -73,6 +74,7 @@ def test_a_second_job_is_refused_before_it_deletes_anything(held):
   assert _lease(d)["pid"] == proc.pid
 
 
+@pytest.mark.slow
 def test_a_dead_holder_on_this_host_is_taken_over(held):
   d, proc = held
   proc.send_signal(signal.SIGKILL)
@@ -141,6 +143,7 @@ print("not refused", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(tmp_path):
   # Its own holder: other tests take the module's `held` directory over.
   d = str(tmp_path / "model")

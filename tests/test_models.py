@@ -55,6 +55,7 @@ def test_big_models_build_and_take_one_step(name):
   _one_eager_step(model, spec, 32)
 
 
+@pytest.mark.slow
 def test_every_model_trains_under_two_worker_multi_worker_mirrored():
   # One 2-worker job trains each model in turn (graph mode); resnet20 in
   # mixed bfloat16, whose variables must stay float32 for MWMS's broadcast.
@@ -153,6 +154,7 @@ def test_sgd_weight_decay_is_l2_in_the_gradient_and_skips_biases():
     optim.make_optimizer("adam", 0.1, weight_decay=0.1)
 
 
+@pytest.mark.slow
 def test_readme_keras_to_tfdp_example_runs_and_changes_five_lines(tmp_path):
   import difflib  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top

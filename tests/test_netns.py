@@ -14,6 +14,8 @@ import pytest
 from tfdp import launch
 from tests.workers import ft_common
 
+pytestmark = pytest.mark.slow
+
 # A private range that exists only inside the test's namespaces.
 SUBNET = "10.213.0"
 

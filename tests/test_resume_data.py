@@ -11,6 +11,7 @@ from tests.conftest import WORKERS, launch_workers
 SCRIPT = [sys.executable, os.path.join(WORKERS, "resume_batches.py")]
 
 
+@pytest.mark.slow
 def test_next_batches_after_restore_in_a_new_process_are_identical_per_worker(tmp_path):
   out = str(tmp_path)
   # 96 examples / 8 per step = 12 steps an epoch: K=10 leaves the next

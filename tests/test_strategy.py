@@ -172,6 +172,7 @@ print("RESULT", type(s).__name__, s.num_replicas_in_sync, S.worker_info(s),
 """
 
 
+@pytest.mark.slow
 def test_multi_worker_with_two_cpu_replicas_each():
   code, out = launch_workers([sys.executable, "-c", WORKER], num_workers=2, timeout=120)
   assert code == 0, out

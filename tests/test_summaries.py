@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tests import train_run
 
+pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

@@ -10,11 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, WORKERS
-from tests.test_resume import committed_steps
+from tests.conftest import REPO, WORKERS, run_all
+from tests.resume_run import committed_steps
 
 SCRIPT = os.path.join(WORKERS, "keras_converted.py")
 LOOP = os.path.join(WORKERS, "custom_loop.py")
+
+pytestmark = pytest.mark.slow
 
 
 def _children(pid):
@@ -54,15 +56,31 @@ def _kill_a_worker_after(proc, model_dir, step):
   assert proc.returncode != 0, out[-3000:]
 
 
-@pytest.mark.parametrize("save_freq,delete,double", [("epoch", "1", "1"), ("5", "0", "0")])
-def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, save_freq,
+CONVERTED = [("epoch", "1", "1"), ("5", "0", "0")]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """Each CONVERTED case killed once past step 40 and rerun, both cases at once: {case: (backup, code, out)}."""
+  root = tmp_path_factory.mktemp("converted")
+
+  def kill_and_rerun(save_freq, delete, double):
+    backup = str(root / f"backup-{save_freq}")
+    args = [backup, save_freq, delete, double]
+    _kill_a_worker_after(_launch(args, env={"TFDP_TEST_SLOW_FROM": "40"}), backup, 40)
+    proc = _launch(args)
+    out = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
+    return backup, proc.returncode, out
+
+  done = run_all([lambda case=case: kill_and_rerun(*case) for case in CONVERTED])
+  return dict(zip(CONVERTED, done))
+
+
+@pytest.mark.parametrize("save_freq,delete,double", CONVERTED)
+def test_converted_script_killed_and_rerun_finishes_on_both_workers(converted, save_freq,
                                                                     delete, double):
-  backup = str(tmp_path / "backup")
-  args = [backup, save_freq, delete, double]
-  _kill_a_worker_after(_launch(args, env={"TFDP_TEST_SLOW_FROM": "40"}), backup, 40)
-  proc = _launch(args)
-  out = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
-  assert proc.returncode == 0, out[-4000:]
+  backup, code, out = converted[(save_freq, delete, double)]
+  assert code == 0, out[-4000:]
   finals = re.findall(r"test_accuracy=([\d.]+) step=(\d+) restored_step=(\d+)", out)
   assert len(finals) == 2, out[-4000:]  # both workers finished and evaluated
   restored = int(finals[0][2])
@@ -86,16 +104,22 @@ def test_custom_loop_survives_a_kill_inside_a_save_and_mid_run_bitwise(tmp_path)
     text = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
     return proc.returncode, text
 
-  code, text = run(tmp_path / "reference", tmp_path / "reference.npz")
-  assert code == 0, text[-3000:]
-
   ckpt = tmp_path / "ckpt"
-  # Worker 1 dies after writing its shard of ckpt-10, before its done-marker.
-  code, text = run(ckpt, tmp_path / "out.npz", env={"TFDP_CKPT_TEST_CRASH_AT": "after_shard:1"})
-  assert code != 0 and "killing worker 1 at after_shard" in text, text[-3000:]
-  assert committed_steps(str(ckpt)) == []
-  _kill_a_worker_after(_launch([str(ckpt), str(tmp_path / "out.npz")], script=LOOP,
-                               env={"TFDP_TEST_SLOW_FROM": "20"}), str(ckpt), 20)
+
+  def crash_then_kill():
+    # Worker 1 dies after writing its shard of ckpt-10, before its done-marker.
+    crashed = run(ckpt, tmp_path / "out.npz", env={"TFDP_CKPT_TEST_CRASH_AT": "after_shard:1"})
+    committed = committed_steps(str(ckpt))
+    _kill_a_worker_after(_launch([str(ckpt), str(tmp_path / "out.npz")], script=LOOP,
+                                 env={"TFDP_TEST_SLOW_FROM": "20"}), str(ckpt), 20)
+    return crashed, committed
+
+  # The uninterrupted reference runs beside them (its own directory).
+  (code, text), ((crash_code, crash_text), committed) = run_all(
+      [lambda: run(tmp_path / "reference", tmp_path / "reference.npz"), crash_then_kill])
+  assert code == 0, text[-3000:]
+  assert crash_code != 0 and "killing worker 1 at after_shard" in crash_text, crash_text[-3000:]
+  assert committed == []
   code, text = run(ckpt, tmp_path / "out.npz")
   assert code == 0, text[-3000:]
   starts = re.findall(r"custom_loop start=(\d+) step=40", text)
