@@ -1,7 +1,5 @@
 """The tfdp-train runs that test_resume, test_preemption and test_train_cli share: one 2-worker reference, one SIGKILL."""
 
-import fcntl
-import json
 import os
 import shutil
 import signal
@@ -11,6 +9,7 @@ import time
 
 import numpy as np
 
+from tests import shared
 from tests.conftest import REPO, WORKERS, launch_workers, run_all
 
 TRAIN = [sys.executable, "-m", "tfdp.cli.train"]
@@ -36,21 +35,10 @@ def committed_steps(model_dir):
                 if f.startswith("ckpt-") and f.endswith(".manifest.json"))
 
 
-def _once(tmp_path_factory, name, make):
-  """`make(root)`'s JSON-able result, made once per pytest session in basetemp/`name`."""
-  root = tmp_path_factory.getbasetemp() / name
-  root.mkdir(exist_ok=True)
-  done = root / "result.json"
-  with open(root / "lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not done.exists():
-      done.write_text(json.dumps(make(root)))
-  return json.loads(done.read_text())
-
-
 def _mirrored(flags, model_dir=None):
   """tfdp-train FLAGS on 1 worker with 2 replicas: (code, output)."""
-  env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+  env = shared.environ()
+  env.pop("TF_CONFIG", None)
   proc = subprocess.run(
       TRAIN + flags + ["--strategy=mirrored", "--cpu_replicas=2"]
       + ([f"--model_dir={model_dir}"] if model_dir else []),
@@ -59,8 +47,10 @@ def _mirrored(flags, model_dir=None):
   return proc.returncode, proc.stdout.decode("utf-8", errors="replace")
 
 
-def shared_runs(tmp_path_factory):
-  """Every run of the tests that share these flags, made once per pytest session, two at a time.
+def shared_runs(root):
+  """Every run of the tests that share these flags, in folder `root`, two at a time.
+
+  The `resume_runs` fixture of tests/conftest.py (made once per session).
 
   First the uninterrupted 2-worker reference beside a 2-worker run that is
   SIGKILLed past step 20 (a copy of its model_dir kept); then that run
@@ -74,49 +64,46 @@ def shared_runs(tmp_path_factory):
        "resumed" (the rerun's exit code and output)},
      "one_worker": {"model_dir", "code", "out"}, "mirrored_8_steps": {"code", "out"}}.
   """
-  def make(root):
-    ref_dir, killed_dir, one_dir = (str(root / d) for d in ("reference", "killed", "one_worker"))
+  ref_dir, killed_dir, one_dir = (str(root / d) for d in ("reference", "killed", "one_worker"))
 
-    def reference():
-      code, out = launch_workers(SLOWABLE + MULTI_WORKER + [f"--model_dir={ref_dir}"])
-      return {"model_dir": ref_dir, "final": os.path.join(ref_dir, FINAL), "code": code,
-              "out": out}
+  def reference():
+    code, out = launch_workers(SLOWABLE + MULTI_WORKER + [f"--model_dir={ref_dir}"])
+    return {"model_dir": ref_dir, "final": os.path.join(ref_dir, FINAL), "code": code,
+            "out": out}
 
-    def killed():
-      code, out = interrupt(killed_dir, "sigkill_worker")
-      snapshot = str(root / "at_kill")
-      shutil.copytree(killed_dir, snapshot)
-      return {"model_dir": killed_dir, "code": code, "out": out,
-              "steps": committed_steps(killed_dir), "snapshot": snapshot}
+  def killed():
+    code, out = interrupt(killed_dir, "sigkill_worker")
+    snapshot = str(root / "at_kill")
+    shutil.copytree(killed_dir, snapshot)
+    return {"model_dir": killed_dir, "code": code, "out": out,
+            "steps": committed_steps(killed_dir), "snapshot": snapshot}
 
-    def one_worker():
-      os.makedirs(one_dir)
-      for f in os.listdir(runs["killed"]["snapshot"]):
-        if f.startswith("ckpt-20."):
-          shutil.copy(os.path.join(runs["killed"]["snapshot"], f), one_dir)
-      code, out = _mirrored(FLAGS, one_dir)
-      return {"model_dir": one_dir, "code": code, "out": out}
+  def one_worker():
+    os.makedirs(one_dir)
+    for f in os.listdir(runs["killed"]["snapshot"]):
+      if f.startswith("ckpt-20."):
+        shutil.copy(os.path.join(runs["killed"]["snapshot"], f), one_dir)
+    code, out = _mirrored(FLAGS, one_dir)
+    return {"model_dir": one_dir, "code": code, "out": out}
 
-    def mirrored_8_steps():
-      code, out = _mirrored([f for f in FLAGS if not f.startswith(
-          ("--train_steps", "--checkpoint_every_steps"))] + ["--train_steps=8"])
-      return {"code": code, "out": out}
+  def mirrored_8_steps():
+    code, out = _mirrored([f for f in FLAGS if not f.startswith(
+        ("--train_steps", "--checkpoint_every_steps"))] + ["--train_steps=8"])
+    return {"code": code, "out": out}
 
-    def rerun():
-      return launch_workers(SLOWABLE + MULTI_WORKER + [f"--model_dir={killed_dir}"])
+  def rerun():
+    return launch_workers(SLOWABLE + MULTI_WORKER + [f"--model_dir={killed_dir}"])
 
-    runs = dict(zip(["reference", "killed"], run_all([reference, killed])))
-    resumed, runs["one_worker"], runs["mirrored_8_steps"] = run_all(
-        [rerun, one_worker, mirrored_8_steps])
-    runs["killed"]["resumed_code"], runs["killed"]["resumed"] = resumed
-    return runs
-
-  return _once(tmp_path_factory, "resume_runs", make)
+  runs = dict(zip(["reference", "killed"], run_all([reference, killed])))
+  resumed, runs["one_worker"], runs["mirrored_8_steps"] = run_all(
+      [rerun, one_worker, mirrored_8_steps])
+  runs["killed"]["resumed_code"], runs["killed"]["resumed"] = resumed
+  return runs
 
 
-def reference_run(tmp_path_factory):
-  """The uninterrupted 2-worker run to TRAIN_STEPS of `shared_runs` (asserted to have succeeded)."""
-  ref = shared_runs(tmp_path_factory)["reference"]
+def reference_of(runs):
+  """The reference run of `shared_runs` (the `resume_runs` fixture), asserted to have succeeded."""
+  ref = runs["reference"]
   assert ref["code"] == 0, ref["out"][-5000:]
   return ref
 
@@ -150,8 +137,8 @@ def interrupt(model_dir, how, *, after_step=20, grace_seconds=10, flags=()):
   to every worker, like Ctrl-C in a terminal), or `fn(launcher, worker_pids,
   log_path)` that does the interrupting.
   """
-  env = dict(os.environ, TFDP_TEST_SLOW_FROM=str(after_step),
-             TFDP_TEST_STEP_SLEEP="0.4", TF_CPP_MIN_LOG_LEVEL="2")
+  env = shared.environ(TFDP_TEST_SLOW_FROM=str(after_step), TFDP_TEST_STEP_SLEEP="0.4",
+                       TF_CPP_MIN_LOG_LEVEL="2")
   log_path = model_dir + ".log"
   with open(log_path, "wb") as log:
     proc = subprocess.Popen(

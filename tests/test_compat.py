@@ -175,6 +175,7 @@ def _mirrored_fit(batch_norm=False):
           [[c.numpy() for c in v.value.values] for v in model.non_trainable_weights])
 
 
+@pytest.mark.slow
 def test_mirrored_batch_norm_statistics_agree_on_every_replica():
   # Upstream: each device keeps its own moving statistics (a checkpoint holds
   # device 0's); with the fix every replica holds their mean.

@@ -10,15 +10,15 @@ from tensorboard.backend.event_processing import plugin_event_accumulator
 import tensorflow as tf
 
 import models
-from tests import train_run
 from tfdp import datasets
 from tfdp import errors
 from tfdp import trainer
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  return train_run.killed_resumed_rerun(tmp_path_factory)
+def runs(train_runs):
+  """The shared runs of tests/train_run.py (the train_runs fixture of tests/conftest.py)."""
+  return train_runs
 
 
 def _val(model_dir):

@@ -9,6 +9,7 @@ processes run two at a time.
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, WORKERS, launch_workers, run_all
+from tests import shared
+from tests.shared import shared_run
 
 SCRIPT = os.path.join(WORKERS, "data_resume.py")
 MODES = ("finite", "repeat", "arrays", "source")
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 def _run(out_root, modes, env=None, replicas=2):
   """One process: Mirrored over 2 CPU replicas (1: no strategy)."""
-  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+  full_env = shared.environ(TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env.pop("TF_CONFIG", None)
   proc = subprocess.run([sys.executable, SCRIPT, str(out_root), modes, str(replicas)], cwd=REPO,
                         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -45,9 +48,9 @@ CUTS = {"finite": (20, "0"), "repeat": (7, "1"), "arrays": (26, "0"), "source": 
 COMPAT_OFF = {"TFDP_COMPAT_DISABLE": "fit_data_state"}
 
 
-@pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
-  """Every single-process run of this file, two processes at a time: {name: (code, output)} and the root.
+@shared_run("mirrored_runs")
+def mirrored_runs(root):
+  """Every single-process run of this file, two processes at a time: {name: [code, output], "root"}.
 
   Under root: ref/MODE (uninterrupted, every mode in one process); cut/MODE
   (killed at CUTS, then resumed, one process each); stock/finite and
@@ -55,7 +58,6 @@ def mirrored(tmp_path_factory):
   then repeat killed at 7, resumed with the fix on); one/ and one-cut/ (no
   strategy: uninterrupted, and killed at 8, resumed).
   """
-  root = tmp_path_factory.mktemp("mirrored")
   cut = {f"TFDP_TEST_ASYNC_{m.upper()}": a for m, (_, a) in CUTS.items()}
   first = {"ref": lambda: _run(root / "ref", ",".join(MODES)),
            "stock": lambda: _run(root / "stock", "finite,repeat",
@@ -72,7 +74,14 @@ def mirrored(tmp_path_factory):
                "one-resumed": lambda: _run(root / "one-cut", "finite", replicas=1)})
   done = dict(zip(first, run_all(list(first.values()))))
   done.update(zip(then, run_all(list(then.values()))))
-  return root, done
+  done["root"] = str(root)
+  return done
+
+
+@pytest.fixture(scope="module")
+def mirrored(mirrored_runs):
+  """(root folder, runs) of `mirrored_runs`."""
+  return pathlib.Path(mirrored_runs["root"]), mirrored_runs
 
 
 @pytest.mark.parametrize("mode", sorted(CUTS))
@@ -105,7 +114,8 @@ def test_uninterrupted_fit_trains_on_what_stock_tf_distributes(mirrored):
   root, runs = mirrored
   code, out = runs["stock"]
   assert "RESULT mode=finite worker=0" in out, out[-3000:]  # finite ran to its end first
-  np.testing.assert_array_equal(_weights(root / "ref", "finite"), _weights(root / "stock", "finite"))
+  np.testing.assert_array_equal(_weights(root / "ref", "finite"),
+                                _weights(root / "stock", "finite"))
 
 
 def test_backup_without_data_position_restores_with_a_warning(mirrored):
@@ -115,7 +125,8 @@ def test_backup_without_data_position_restores_with_a_warning(mirrored):
   code, out = runs["stock-resumed"]
   assert code == 0, out[-3000:]
   assert "holds no data position" in out and "restarts from its first batch" in out, out[-3000:]
-  assert "RESULT mode=repeat worker=0 steps=16 restored=6" in out  # 6 restored + epoch 1 rerun + epoch 2
+  # 6 restored + epoch 1 rerun + epoch 2
+  assert "RESULT mode=repeat worker=0 steps=16 restored=6" in out
 
 
 # mode -> (kill at global step, env of both runs). By DATA, the backup also has
@@ -181,7 +192,8 @@ def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode):
     # Each worker wrote its own iterator state (the shuffle buffer dominates).
     assert all(writers[w]["per_worker_bytes"] > 1000 for w in ("0", "1")), writers
     code, other = runs["moved"]
-    assert code != 0 and "holds the data positions of 2 worker(s) with 2 replica(s) in all" in other, (
+    assert code != 0, other[-3000:]
+    assert "holds the data positions of 2 worker(s) with 2 replica(s) in all" in other, (
         other[-3000:])
     assert "restart_epoch_data=True" in other
   code, out = runs[f"resumed-{mode}"]

@@ -22,6 +22,7 @@ def mirrored():
   return S.make_strategy("mirrored", cpu_replicas=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet20", "bert", "dlrm"])
 def test_loss_falls_under_two_mirrored_replicas(mirrored, name):
   result = models_worker.train(mirrored, name, 16, steps_per_epoch=8)
@@ -103,6 +104,7 @@ def test_cifar_resnet_depth():
     models.resnet.cifar_resnet(21)
 
 
+@pytest.mark.slow
 def test_bert_base_is_the_110m_encoder():
   model = bert.build("base", vocab_size=bert.BASE_VOCAB_SIZE, seq_len=128, max_predictions=20)
   assert 108e6 < model.count_params() < 111e6

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import REPO, run_all
 from tests.resume_run import FINAL, assert_bitwise_equal, committed_steps, interrupt
-from tests.resume_run import reference_run, resume
+from tests.resume_run import reference_of, resume
 from tfdp import preemption
 
 
@@ -21,7 +21,10 @@ def test_exit_codes_are_distinct_and_documented():
 
 
 def _freeze_then_terminate(elapsed):
-  """An `interrupt` action: SIGSTOP to worker 1, SIGTERM to worker 0; appends how long until the launcher reports the grace exit."""
+  """An `interrupt` action: SIGSTOP to worker 1, then SIGTERM to worker 0.
+
+  Appends to `elapsed` the seconds from the SIGTERM to the launcher's report of the grace exit.
+  """
   def act(_, workers, log_path):
     os.kill(workers[1], signal.SIGSTOP)
     time.sleep(0.5)
@@ -59,8 +62,8 @@ def interrupted(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_bitwise(
-    tmp_path_factory, interrupted):
-  reference = reference_run(tmp_path_factory)["final"]
+    resume_runs, interrupted):
+  reference = reference_of(resume_runs)["final"]
   model_dir, code, out = (interrupted["sigterm"][k] for k in ("model_dir", "code", "out"))
   assert code != 0
   # Worker 1 got the signal; both agreed, saved one checkpoint together and

@@ -4,20 +4,20 @@ import os
 
 import pytest
 
-from tests.resume_run import FINAL, assert_bitwise_equal, reference_run, shared_runs
+from tests.resume_run import FINAL, assert_bitwise_equal, reference_of
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-  return reference_run(tmp_path_factory)["final"]
+def reference(resume_runs):
+  return reference_of(resume_runs)["final"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(resume_runs):
   """The shared runs of tests/resume_run.py: the kill and its reruns on 2 workers and on 1."""
-  return shared_runs(tmp_path_factory)
+  return resume_runs
 
 
 def test_sigkill_then_rerun_is_bitwise_equal(reference, runs):

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from tests.conftest import REPO, run_all
+from tests import shared
+from tests.shared import shared_run
 
 pytestmark = pytest.mark.slow
 
@@ -20,21 +22,14 @@ BASE = {"--model": "cnn", "--dataset": "synthetic", "--global_batch_size": "16",
 
 def _train(model_dir, train_steps, **overrides):
   flags = dict(BASE, **{f"--{k}": str(v) for k, v in overrides.items()})
-  env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+  env = shared.environ()
+  env.pop("TF_CONFIG", None)
   proc = subprocess.run(
       TRAIN + [f"{k}={v}" for k, v in flags.items()] +
       [f"--train_steps={train_steps}", f"--model_dir={model_dir}"],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
       timeout=300, check=False)
   return proc.returncode, proc.stdout.decode("utf-8", errors="replace")
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-  model_dir = str(tmp_path_factory.mktemp("config") / "model")
-  code, out = _train(model_dir, 2)
-  assert code == 0, out[-3000:]
-  return model_dir
 
 
 REFUSED = [
@@ -56,26 +51,31 @@ def _damage(path, damage):
       f.truncate(1000)
 
 
-@pytest.fixture(scope="module")
-def runs(saved, tmp_path_factory):
-  """Every run of this file, each on its own copy of `saved`, two at a time: {name: (model_dir, code, out)}.
+@shared_run("config_runs")
+def config_runs(root):
+  """Every run of this file, two at a time: {name: [model_dir, code, output]}.
 
-  "corrupt-DAMAGE": a run from ckpt-2 to ckpt-4 (shared), ckpt-4 damaged,
-  then the same command again; "to-4" is that first run.
+  "saved": 2 steps; then, each on its own copy of it: "refused-I" (with
+  REFUSED[I]'s flags), "allowed" (another batch size and
+  --allow_config_mismatch), "to-4" (the same flags, to step 4); then
+  "corrupt-DAMAGE": a copy of "to-4" with ckpt-4 damaged, the same command again.
   """
-  root = tmp_path_factory.mktemp("runs")
+  saved = str(root / "saved")
+  done = {"saved": [saved, *_train(saved, 2)]}
+  if done["saved"][1]:
+    return done
 
   def on_copy(name, source, steps, **overrides):
     model_dir = str(root / name)
     shutil.copytree(source, model_dir)
-    return lambda: (model_dir,) + _train(model_dir, steps, **overrides)
+    return lambda: [model_dir, *_train(model_dir, steps, **overrides)]
 
   calls = {f"refused-{i}": on_copy(f"refused-{i}", saved, 4, **overrides)
            for i, (overrides, _) in enumerate(REFUSED)}
   calls["allowed"] = on_copy("allowed", saved, 4, global_batch_size=32,
                              allow_config_mismatch=True)
   calls["to-4"] = on_copy("to-4", saved, 4)
-  done = dict(zip(calls, run_all(list(calls.values()))))
+  done.update(zip(calls, run_all(list(calls.values()))))
   if done["to-4"][1] == 0:
     calls = {}
     for damage in DAMAGES:
@@ -83,6 +83,13 @@ def runs(saved, tmp_path_factory):
       _damage(os.path.join(root, f"corrupt-{damage}", "ckpt-4.data-00000-of-00001"), damage)
     done.update(zip(calls, run_all(list(calls.values()))))
   return done
+
+
+@pytest.fixture(scope="module")
+def runs(config_runs):
+  _, code, out = config_runs["saved"]
+  assert code == 0, out[-3000:]
+  return config_runs
 
 
 @pytest.mark.parametrize("case", range(len(REFUSED)), ids=[m.split(":")[0] for _, m in REFUSED])

@@ -11,16 +11,18 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO, run_all
-from tests.resume_run import STEPS_PER_EPOCH, TRAIN, TRAIN_STEPS, reference_run, shared_runs
+from tests.resume_run import STEPS_PER_EPOCH, TRAIN, TRAIN_STEPS, reference_of
+from tests import shared
+from tests.shared import shared_run
 
 SMALL = ["--model=cnn", "--dataset=synthetic", "--global_batch_size=32",
          "--num_examples=512", "--steps_per_epoch=8", "--seed=1"]
 
 
 @pytest.fixture(scope="module")
-def two_worker_run(tmp_path_factory):
-  """The shared uninterrupted 2-worker MultiWorkerMirroredStrategy run to TRAIN_STEPS (tests/resume_run.py)."""
-  return reference_run(tmp_path_factory)
+def two_worker_run(resume_runs):
+  """The shared uninterrupted 2-worker MultiWorkerMirroredStrategy run (tests/resume_run.py)."""
+  return reference_of(resume_runs)
 
 
 @pytest.mark.slow
@@ -40,9 +42,9 @@ def test_two_workers_train_and_leave_a_standard_checkpoint(two_worker_run):
 
 
 @pytest.mark.slow
-def test_rerun_resumes_from_the_checkpoint(tmp_path_factory):
+def test_rerun_resumes_from_the_checkpoint(resume_runs):
   # The shared 2-worker run SIGKILLed past step 20, then run again (tests/resume_run.py).
-  killed = shared_runs(tmp_path_factory)["killed"]
+  killed = resume_runs["killed"]
   stop, out = max(killed["steps"]), killed["resumed"]
   assert killed["resumed_code"] == 0, out[-5000:]
   assert "Restored" in out and f"at step {stop}" in out
@@ -56,11 +58,10 @@ def test_rerun_resumes_from_the_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_mirrored_run_matches_the_first_losses_of_the_two_worker_run(two_worker_run,
-                                                                       tmp_path_factory):
+def test_mirrored_run_matches_the_first_losses_of_the_two_worker_run(two_worker_run, resume_runs):
   # 2 workers x 1 replica and 1 worker x 2 replicas see the same global batches
   # (an 8-step run with the shared flags, --strategy=mirrored --cpu_replicas=2).
-  run = shared_runs(tmp_path_factory)["mirrored_8_steps"]
+  run = resume_runs["mirrored_8_steps"]
   mirrored = run["out"]
   assert run["code"] == 0, mirrored
 
@@ -87,42 +88,42 @@ BAD_TF_CONFIG = ('{"cluster": {"worker": ["localhost:1"]}, '
                  '"task": {"type": "worker", "index": 3}}')
 
 
-@pytest.fixture(scope="module")
-def refused(tmp_path_factory):
-  """Every refused tfdp-train command of this file, run 3 at a time: {name: CompletedProcess}."""
-  tmp = tmp_path_factory.mktemp("refused")
-  a_file = tmp / "file"
+@shared_run("refused_runs")
+def refused_runs(root):
+  """Every refused tfdp-train command of this file, 3 at a time: {name: [exit code, output]}."""
+  a_file = root / "file"
   a_file.write_text("not a directory")
   runs = {" ".join(flags): (["--train_steps=1"] + flags, None) for flags, _ in BAD_FLAGS}
   runs["model_dir"] = (["--train_steps=1", f"--model_dir={a_file}"], None)
-  runs["data_dir"] = (["--train_steps=1", f"--data_dir={tmp / 'missing'}"], None)
+  runs["data_dir"] = (["--train_steps=1", f"--data_dir={root / 'missing'}"], None)
   runs["tf_config"] = (["--train_steps=1"], {"TF_CONFIG": BAD_TF_CONFIG})
   names = sorted(runs)
   done = run_all([lambda n=n: _train(runs[n][0], timeout=120, env=runs[n][1]) for n in names],
                  parallel=3)
-  return dict(zip(names, done))
+  return {n: [p.returncode, p.stdout.decode("utf-8", errors="replace")]
+          for n, p in zip(names, done)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, message", BAD_FLAGS)
-def test_bad_flags_give_a_clear_error(refused, flags, message):
-  proc = refused[" ".join(flags)]
-  out = proc.stdout.decode()
-  assert proc.returncode == 2, out
+def test_bad_flags_give_a_clear_error(refused_runs, flags, message):
+  code, out = refused_runs[" ".join(flags)]
+  assert code == 2, out
   assert message in out
   assert "Traceback" not in out
 
 
 def _train(flags, timeout=180, env=None):
   """tfdp-train FLAGS without TF_CONFIG (unless `env` sets one): its CompletedProcess."""
-  full_env = dict({k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, **(env or {}))
+  full_env = shared.environ()
+  full_env.pop("TF_CONFIG", None)
+  full_env.update(env or {})
   return subprocess.run(TRAIN + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         cwd=REPO, timeout=timeout, env=full_env, check=False)
 
 
-def _one_error_line(proc):
-  out = proc.stdout.decode()
-  assert proc.returncode == 2, out
+def _one_error_line(code, out):
+  assert code == 2, out
   assert "Traceback" not in out, out
   errors_said = [line for line in out.splitlines() if "tfdp-train: error:" in line]
   assert len(errors_said) == 1, out
@@ -132,10 +133,10 @@ def _one_error_line(proc):
 
 
 @pytest.mark.slow
-def test_bad_paths_give_one_line_before_tensorflow_starts(refused):
-  line = _one_error_line(refused["model_dir"])
+def test_bad_paths_give_one_line_before_tensorflow_starts(refused_runs):
+  line = _one_error_line(*refused_runs["model_dir"])
   assert "--model_dir" in line and "is a file" in line
-  line = _one_error_line(refused["data_dir"])
+  line = _one_error_line(*refused_runs["data_dir"])
   assert "--data_dir" in line and "not a directory" in line
 
 
@@ -151,7 +152,8 @@ def test_a_second_job_on_a_busy_model_dir_is_refused_and_the_first_is_untouched(
     while not tf.train.latest_checkpoint(model_dir):
       assert first.poll() is None and time.monotonic() < deadline, first.stdout.read().decode()
       time.sleep(0.2)
-    line = _one_error_line(_train(SMALL + ["--train_steps=100000", f"--model_dir={model_dir}"]))
+    second = _train(SMALL + ["--train_steps=100000", f"--model_dir={model_dir}"])
+    line = _one_error_line(second.returncode, second.stdout.decode())
     assert f"pid {first.pid}" in line, line
     assert first.poll() is None  # the first job trains on
   finally:
@@ -167,10 +169,9 @@ def test_a_second_job_on_a_busy_model_dir_is_refused_and_the_first_is_untouched(
 
 
 @pytest.mark.slow
-def test_bad_tf_config_gives_a_clear_error(refused):
-  proc = refused["tf_config"]
-  out = proc.stdout.decode()
-  assert proc.returncode == 2 and "index 3 is out of range" in out and "Traceback" not in out
+def test_bad_tf_config_gives_a_clear_error(refused_runs):
+  code, out = refused_runs["tf_config"]
+  assert code == 2 and "index 3 is out of range" in out and "Traceback" not in out
 
 
 @pytest.mark.parametrize("fields, message", [
