@@ -76,3 +76,10 @@ def resume_runs(root):
   """tests/resume_run.py: the 2-worker reference, a SIGKILLed run and their reruns."""
   from tests import resume_run  # pylint: disable=g-import-not-at-top
   return resume_run.shared_runs(root)
+
+
+@shared_run("ft_reference")
+def ft_reference(root):
+  """tests/workers/ft_common.py: the fault-tolerance job run uninterrupted to its end."""
+  from tests.workers import ft_common  # pylint: disable=g-import-not-at-top
+  return ft_common.reference_run(root)

@@ -4,7 +4,9 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import threading
+import warnings
 
 import pytest
 
@@ -26,14 +28,20 @@ def environ(**extra):
 
 
 def once_per_session(tmp_path_factory, name, make):
-  """`make(root)`'s result (JSON), made once per session in basetemp/`name`; one maker at a time."""
+  """`make(folder)`'s result (JSON), made once per session under basetemp/`name`; one maker at a time.
+
+  A maker that raises keeps nothing: the next caller makes it again, in an empty folder.
+  """
   root = tmp_path_factory.getbasetemp() / name
   root.mkdir(exist_ok=True)
   done = root / "result.json"
   with open(root / "lock", "w", encoding="utf-8") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not done.exists():
-      done.write_text(json.dumps(make(root)))
+      folder = root / "run"
+      shutil.rmtree(folder, ignore_errors=True)
+      folder.mkdir()
+      done.write_text(json.dumps(make(folder)))
   return json.loads(done.read_text())
 
 
@@ -47,6 +55,7 @@ def shared_run(name):
     def maker(tmp_path_factory):
       return once_per_session(tmp_path_factory, name, make)
 
+    maker.name = name
     _MAKERS.setdefault(name, maker)
 
     @pytest.fixture(scope="session", name=name)
@@ -74,8 +83,9 @@ def early(items, tmp_path_factory):
         return
       try:
         maker(tmp_path_factory)
-      except Exception:  # pylint: disable=broad-except
-        pass  # Nothing is kept: the fixture makes it again, and its test says why.
+      except Exception as e:  # pylint: disable=broad-except
+        # Nothing is kept: the fixture makes it again, and its test says why.
+        warnings.warn(f"shared run {maker.name} failed early ({e!r}); its fixture makes it again")
 
   thread = threading.Thread(target=make_them, name="early-runs", daemon=True)
   thread.start()

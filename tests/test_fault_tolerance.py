@@ -81,6 +81,7 @@ TIERS = ["--checkpoint_every_steps=100", "--local_checkpoint_every_steps=5"]
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ft_reference")  # made early (tests/shared.py)
 def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_path, tmp_path_factory):
   """Local tier every 5 steps, persistent every 100: each SIGKILL costs at most a few steps.
 

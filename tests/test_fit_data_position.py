@@ -135,11 +135,18 @@ TWO_WORKER_CUTS = {"finite": (8, {}),
                    "data": (11, {"TFDP_TEST_LOCAL_EVERY_DATA": "2", "TFDP_TEST_KILL_DELAY": "1"})}
 
 
+@shared_run("two_worker_reference_runs")
+def two_worker_reference_runs(root):
+  """The uninterrupted 2-worker job, both modes in one: {"root", "ref": [code, output]}."""
+  return {"root": str(root),
+          "ref": launch_workers([sys.executable, SCRIPT, str(root / "ref"), "finite,data"])}
+
+
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
+def two_workers(two_worker_reference_runs, tmp_path_factory):
   """Every 2-worker run of this file: {name: (code, output)} and the root.
 
-  ref/ (uninterrupted, both modes in one job, beside the kill of `finite`);
+  "ref" and "ref_root": the shared uninterrupted job (two_worker_reference_runs);
   cut/MODE killed at TWO_WORKER_CUTS (worker 1 is SIGKILLed), then resumed,
   one job each (both at once); moved/finite: the killed finite backup on 1
   worker; "manifest-finite": the newest manifest of cut/finite at the kill.
@@ -160,9 +167,8 @@ def two_workers(tmp_path_factory):
     manifests = sorted((root / "cut" / mode / "backup").glob("ckpt-*.manifest.json"))
     return json.loads(manifests[-1].read_text()) if manifests else None
 
-  runs = dict(zip(["ref", "killed-finite"], run_all([
-      lambda: launch_workers([sys.executable, SCRIPT, str(root / "ref"), "finite,data"]),
-      lambda: killed("finite")])))
+  runs = {"ref": two_worker_reference_runs["ref"], "killed-finite": killed("finite"),
+          "ref_root": pathlib.Path(two_worker_reference_runs["root"])}
   runs["manifest-finite"] = manifest_at_kill("finite")
   runs.update(zip(["killed-data", "moved"], run_all([lambda: killed("data"), moved])))
   runs.update(zip(["resumed-finite", "resumed-data"], run_all([
@@ -203,6 +209,6 @@ def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode):
   if mode == "data":  # The persistent tier's newest is step 9.
     assert len(re.findall(r"RESULT mode=data worker=\d steps=\d+ restored=10\b", out)) == 2, (
         out[-3000:])
-  ref = _weights(root / "ref", mode)
+  ref = _weights(runs["ref_root"] / "ref", mode)
   for worker in (0, 1):
     np.testing.assert_array_equal(ref, _weights(cut, mode, worker))
