@@ -149,7 +149,6 @@ def test_restarts_after_failures_with_fresh_ports_and_the_restart_count(tmp_path
   assert len(set(addresses)) == 3, addresses  # new ports at every attempt
 
 
-@pytest.mark.slow
 def test_gives_up_after_max_restarts_with_a_summary_of_causes(tmp_path):
   code, out, runs = _fake(tmp_path, "0:1:exit=4;1:0:exit=9", max_restarts=1)
   assert code == launch.EXIT_WORKER_FAILED
@@ -176,7 +175,6 @@ def test_a_hung_worker_is_detected_by_its_heartbeat_and_restarted(tmp_path):
   assert time.monotonic() - start < 20
 
 
-@pytest.mark.slow
 def test_a_worker_that_never_beats_fails_the_startup_timeout(tmp_path):
   code, out, _ = _fake(tmp_path, "0:0:silent", max_restarts=1, hang_timeout=5,
                        startup_timeout=1.5)
@@ -184,7 +182,6 @@ def test_a_worker_that_never_beats_fails_the_startup_timeout(tmp_path):
   assert "worker 0 wrote no heartbeat within 1.5 s of its start" in out
 
 
-@pytest.mark.slow
 def test_a_preempted_worker_is_a_restartable_event(tmp_path):
   code, out, runs = _fake(tmp_path, "0:0:exit=75", max_restarts=1)
   assert code == 0, out
@@ -192,7 +189,6 @@ def test_a_preempted_worker_is_a_restartable_event(tmp_path):
   assert sorted(runs) == [0, 1]
 
 
-@pytest.mark.slow
 def test_elastic_leaves_out_a_slot_that_keeps_failing_and_takes_it_back(tmp_path):
   broken = tmp_path / "slot1-broken"
   broken.write_text("")
@@ -210,7 +206,6 @@ def test_elastic_leaves_out_a_slot_that_keeps_failing_and_takes_it_back(tmp_path
   assert "slot 1 is back; using 2 workers." in out
 
 
-@pytest.mark.slow
 def test_elastic_never_goes_below_min_workers(tmp_path):
   code, out, runs = _fake(tmp_path, "*:1:exit=7", max_restarts=2, elastic=True,
                           min_workers=2)
@@ -219,7 +214,6 @@ def test_elastic_never_goes_below_min_workers(tmp_path):
   assert "leaving it out" not in out
 
 
-@pytest.mark.slow
 def test_elastic_renumbers_tasks_so_a_left_out_chief_slot_is_replaced(tmp_path):
   code, out, runs = _fake(tmp_path, "0:0:exit=7;1:0:exit=7;3:*:exit=0;2:1:exit=6",
                           num_workers=3, max_restarts=3, elastic=True, min_workers=2)
@@ -314,7 +308,6 @@ _WORKER_WITH_CHILD = (
     "time.sleep(120)\n")
 
 
-@pytest.mark.slow
 def test_sigkill_follows_after_grace_seconds_when_workers_ignore_the_signal():
   script = _WORKER_WITH_CHILD.format(
       setup="signal.signal(signal.SIGTERM, signal.SIG_IGN)")

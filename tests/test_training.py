@@ -38,7 +38,6 @@ def _train(strategy, steps=6, start=0, weights=None):
   return [v.numpy() for v in model.weights]
 
 
-@pytest.mark.slow
 def test_two_mirrored_replicas_match_one_device():
   single = _train(tf.distribute.get_strategy())
   mirrored = _train(S.make_strategy("mirrored", cpu_replicas=2))
