@@ -10,8 +10,8 @@ import keras
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, WORKERS
-from tests.test_resume import committed_steps
+from tests.conftest import REPO, WORKERS, run_all
+from tests.resume_run import committed_steps
 from tfdp import callbacks
 from tfdp import errors
 
@@ -44,14 +44,16 @@ def _weights(backup_dir):
           if k.startswith(("model/", "optimizer/"))}
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_and_rerun_is_bitwise_equal(tmp_path):
   reference = str(tmp_path / "reference")
-  code, out = _run(reference)
-  assert code == 0 and "restored_step=None final_step=40" in out, out[-3000:]
-
   backup = str(tmp_path / "backup")
+  # The reference beside the run to kill: two processes, one core each.
   # Step 15 is inside epoch 2 (steps 8..15); the kill lands a step or two later.
-  code, out = _run(backup, slow_from=15, kill_after=15)
+  (code, out), (killed_code, killed_out) = run_all(
+      [lambda: _run(reference), lambda: _run(backup, slow_from=15, kill_after=15)])
+  assert code == 0 and "restored_step=None final_step=40" in out, out[-3000:]
+  code, out = killed_code, killed_out
   assert code == -signal.SIGKILL, out[-3000:]
   assert committed_steps(backup) == [15]  # max_to_keep=1, like Keras's backup
   code, out = _run(backup)

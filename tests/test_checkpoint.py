@@ -128,6 +128,7 @@ def _log(runs, name):
     return f.read()[-4000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run,n", [("a", 2), ("b", 3)])
 def test_sharded_save_writes_1x_state_and_every_worker_writes(runs, run, n):
   assert runs[f"{run}_code"] == 0, _log(runs, f"{run}.log")
@@ -148,12 +149,14 @@ def test_sharded_save_writes_1x_state_and_every_worker_writes(runs, run, n):
     assert all(f.size <= 1_048_576 for f in man.files)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["a", "b"])
 def test_all_workers_agree_on_latest(runs, run):
   latest = {r["latest_after_sync"] for r in runs[f"res_{run}"]}
   assert latest == {os.path.join(runs["root"], run, "ckpt-1")}
 
 
+@pytest.mark.slow
 def test_plain_tf_reads_it_and_restores_2_to_1(runs):
   prefix = os.path.join(runs["root"], "a", "ckpt-1")
   assert tf.train.latest_checkpoint(os.path.dirname(prefix)) == prefix
@@ -169,6 +172,7 @@ def test_plain_tf_reads_it_and_restores_2_to_1(runs):
   assert ckpt_worker.same(ckpt_worker.read(model), expected)
 
 
+@pytest.mark.slow
 def test_restore_1_to_2_and_2_to_3_identical(runs):
   for r in runs["res_a"] + runs["res_b"]:
     assert r["restored_ok"], r
@@ -176,12 +180,14 @@ def test_restore_1_to_2_and_2_to_3_identical(runs):
   assert [r["restored_pos"] for r in runs["res_b"]] == [100, 101, -1]
 
 
+@pytest.mark.slow
 def test_restore_3_workers_into_mirrored_3_replicas(runs):
   p = runs["mirrored"]
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
   assert '"replicas": 3' in p.stdout
 
 
+@pytest.mark.slow
 def test_async_save_returns_early_and_snapshots(runs):
   prefix = os.path.join(runs["root"], "a_async", "ckpt-1")
   man = manifest_lib.read_manifest(prefix)
@@ -197,6 +203,7 @@ def test_async_save_returns_early_and_snapshots(runs):
   assert not ckpt_worker.same(ckpt_worker.read(model), ckpt_worker.values(1002))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase,worker", CRASH_PHASES)
 def test_sigkill_at_each_phase_leaves_intact_latest(runs, phase, worker):
   assert runs[phase] != 0  # the killed worker fails the job
@@ -222,6 +229,7 @@ def test_sigkill_at_each_phase_leaves_intact_latest(runs, phase, worker):
   assert ckpt_worker.same(ckpt_worker.read(mgr.checkpoint.model), expected)
 
 
+@pytest.mark.slow
 def test_manager_outside_scope_without_strategy_shares_one_checkpoint(runs):
   """The TF-tutorial way under 2 workers: 1x the state per save, both write, TF reads it."""
   assert runs["outside"] == 0, _log(runs, "outside.log")
@@ -248,6 +256,7 @@ def _copy(runs, name):
   return os.path.join(dst, "ckpt-1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corruption_caught_by_verify_and_restore(runs, damage):
   prefix = _copy(runs, f"damaged_{damage}")
@@ -373,6 +382,7 @@ def test_retention_keep_last_hours_best(tmp_path):
   assert os.path.basename(mgr.save(checkpoint_number=9)) == "ckpt-9"
 
 
+@pytest.mark.slow
 def test_cli_ls_inspect_export(runs, tmp_path):
   d = os.path.join(runs["root"], "a")
   code, out = _cli("ls", d, "--checksums")
@@ -398,6 +408,7 @@ def test_cli_ls_inspect_export(runs, tmp_path):
     np.testing.assert_array_equal(loaded[name], expected[name])
 
 
+@pytest.mark.slow
 def test_cli_bad_paths_and_damaged_checkpoints_are_one_line_exit_2(runs, tmp_path):
   no_index = _copy(runs, "cli_no_index")
   os.remove(no_index + ".index")
@@ -426,6 +437,7 @@ def test_cli_bad_paths_and_damaged_checkpoints_are_one_line_exit_2(runs, tmp_pat
   assert not (again / "model-00009-of-00009.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_cli_runs_as_module(runs):
   p = subprocess.run([sys.executable, "-m", "tfdp.cli.ckpt", "verify",
                       os.path.join(runs["root"], "a", "ckpt-1")],

@@ -171,6 +171,7 @@ def test_agree_without_multi_worker_returns_the_value(env, local_mwms):
     cluster.agree(1.0, "mean")
 
 
+@pytest.mark.slow
 def test_resolve_and_agree_across_two_real_workers():
   code, out, results = identity_run.results("cluster")
   assert code == 0, out[-5000:]

@@ -79,6 +79,7 @@ def full_run(worker_run):
   return worker_run[1]
 
 
+@pytest.mark.slow
 def test_fit_identical_on_workers_and_equal_to_one_replica(full_run):
   w0, w1 = full_run
   _assert_same(w0, w1, "seq_w")
@@ -89,6 +90,7 @@ def test_fit_identical_on_workers_and_equal_to_one_replica(full_run):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluate_identical_on_workers_and_global(full_run):
   w0, w1 = full_run
   np.testing.assert_array_equal(w0["seq_eval"], w1["seq_eval"])
@@ -96,6 +98,7 @@ def test_evaluate_identical_on_workers_and_global(full_run):
   np.testing.assert_allclose(w0["seq_eval"], w0["seq_ref_eval"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_predict_returns_every_row_in_order(full_run):
   for w in full_run:
     assert w["seq_pred"].shape == (70, 1)
@@ -104,6 +107,7 @@ def test_predict_returns_every_row_in_order(full_run):
                                 full_run[1]["seq_pred"])
 
 
+@pytest.mark.slow
 def test_dict_inputs_two_outputs_batch_norm_steps_per_execution(full_run):
   w0, w1 = full_run
   _assert_same(w0, w1, "multi_w")
@@ -138,6 +142,7 @@ def _section(output, worker, name):
   return lines[lines.index(f"BEGIN {name}") + 1:lines.index(f"END {name}")]
 
 
+@pytest.mark.slow
 def test_progress_bars_only_on_the_chief_unless_asked(worker_run):
   out = worker_run[0]
   # A progress bar redraws with \r within one line.
@@ -147,6 +152,7 @@ def test_progress_bars_only_on_the_chief_unless_asked(worker_run):
   assert len(bars[1]) == 1 and "loss" in bars[1][0], bars[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fix", sorted(PROBES))
 def test_fix_is_needed(fix, full_run):
   error = PROBES[fix][1]
@@ -188,6 +194,7 @@ def _mirrored_fit(batch_norm=False):
           [[c.numpy() for c in v.value.values] for v in model.non_trainable_weights])
 
 
+@pytest.mark.slow
 def test_mirrored_batch_norm_statistics_agree_on_every_replica():
   # Upstream: each device keeps its own moving statistics (a checkpoint holds
   # device 0's); with the fix every replica holds their mean.

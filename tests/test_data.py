@@ -126,6 +126,7 @@ def test_local_replicas_split_features_of_unknown_shape():
   np.testing.assert_array_equal(x1, np.repeat(i1[:, None], 3, axis=1))
 
 
+@pytest.mark.slow
 def test_array_source_made_before_the_strategy():
   # Making a source must not initialise TensorFlow: cpu_replicas is set after.
   script = (

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import models
-from tests.conftest import REPO, launch_workers
+from tests.conftest import REPO, launch_workers, run_all
 from tfdp import data
 from tfdp import datasets
 from tfdp import errors
@@ -28,10 +28,42 @@ def _make(data_dir, *flags):
   return str(data_dir)
 
 
+def _make_dataset():
+  """scripts/make_dataset.py as a module (its writers, without its flags)."""
+  scripts = os.path.join(REPO, "scripts")
+  if scripts not in sys.path:
+    sys.path.insert(0, scripts)
+  import make_dataset  # pylint: disable=g-import-not-at-top
+  return make_dataset
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-  """All three modalities, ArrayRecord (random access), interactions in 4 files."""
-  return _make(tmp_path_factory.mktemp("tfds"), "--num_shards=4")
+  """All three modalities, ArrayRecord (random access), interactions in 4 files.
+
+  Written in this process by the writers of scripts/make_dataset.py (as
+  `make_dataset.py --num_examples=N --num_shards=4` writes them); the
+  script's own command line is run by test_sequential_fallback_for_tfrecord_datasets.
+  """
+  d = str(tmp_path_factory.mktemp("tfds"))
+  make_dataset = _make_dataset()
+  make_dataset.write_images(d, num_examples=N)
+  make_dataset.write_text(d, num_examples=N)
+  make_dataset.write_interactions(d, num_examples=N, num_shards=4)
+  return d
+
+
+@pytest.fixture(scope="module")
+def processes(data_dir, tmp_path_factory):
+  """This file's other processes, both at once: make_dataset.py writing TFRecord images, 2 workers reading interactions."""
+  tmp = tmp_path_factory.mktemp("processes")
+  shards = tmp / "shards"
+  shards.mkdir()
+  made, read = run_all([
+      lambda: _make(tmp / "tfrecord", "--modality=images", "--file_format=tfrecord"),
+      lambda: launch_workers([sys.executable, "tests/workers/models_shards.py", data_dir,
+                              str(shards), "16"], num_workers=2, timeout=300)])
+  return {"tfrecord_dir": made, "shards": read, "shards_dir": shards}
 
 
 @pytest.fixture
@@ -55,8 +87,7 @@ def _assert_same(a, b):
 
 
 def test_tfds_images_from_make_dataset(data_dir, no_network):
-  sys.path.insert(0, os.path.join(REPO, "scripts"))
-  import make_dataset  # pylint: disable=g-import-not-at-top
+  make_dataset = _make_dataset()
   d = datasets.load("tfds:tfdp_images", task=models.IMAGE_CLASSIFICATION, data_dir=data_dir)
   assert d.num_examples == N and d.model_kwargs == {"input_shape": (32, 32, 3), "num_classes": 10}
   (images, labels), = _batches(d, 0, 1)
@@ -115,8 +146,9 @@ def test_masking_is_15_percent_80_10_10_and_independent_of_the_replica_split():
   _assert_same(whole, tf.nest.map_structure(lambda a, b: np.concatenate([a, b]), *parts))
 
 
-def test_sequential_fallback_for_tfrecord_datasets(tmp_path, no_network):
-  data_dir = _make(tmp_path, "--modality=images", "--file_format=tfrecord")
+@pytest.mark.slow
+def test_sequential_fallback_for_tfrecord_datasets(processes, no_network):
+  data_dir = processes["tfrecord_dir"]  # make_dataset.py --modality=images --file_format=tfrecord
   d = datasets.load("tfds:tfdp_images", task=models.IMAGE_CLASSIFICATION, data_dir=data_dir)
   assert isinstance(d.source, data.DatasetSource) and not d.source.random_access
   assert d.name.endswith(":sequential")
@@ -170,8 +202,7 @@ def test_fewer_files_than_workers_is_a_config_error(data_dir):
 
 
 def test_interactions_are_read_by_file_per_worker(data_dir):
-  sys.path.insert(0, os.path.join(REPO, "scripts"))
-  import make_dataset  # pylint: disable=g-import-not-at-top
+  make_dataset = _make_dataset()
   d = datasets.load("tfds:tfdp_interactions", task=models.RECOMMENDATION, data_dir=data_dir,
                     num_workers=2)
   assert isinstance(d.source, data.Source) and d.source.random_access
@@ -187,11 +218,11 @@ def test_interactions_are_read_by_file_per_worker(data_dir):
   assert ids == set(range(64, 128)) | set(range(192, 256))
 
 
-def test_two_workers_read_disjoint_interactions_whose_union_is_everything(data_dir, tmp_path):
-  sys.path.insert(0, os.path.join(REPO, "scripts"))
-  import make_dataset  # pylint: disable=g-import-not-at-top
-  code, out = launch_workers([sys.executable, "tests/workers/models_shards.py", data_dir,
-                              str(tmp_path), "16"], num_workers=2, timeout=300)
+@pytest.mark.slow
+def test_two_workers_read_disjoint_interactions_whose_union_is_everything(processes):
+  make_dataset = _make_dataset()
+  code, out = processes["shards"]  # tests/workers/models_shards.py DATA_DIR OUT 16 on 2 workers
+  tmp_path = processes["shards_dir"]
   assert code == 0, out[-5000:]
   assert out.count("SHARD ") == 2 and "files/2workers" in out
   dense = make_dataset.interaction_arrays(N, 0)["dense"]

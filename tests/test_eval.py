@@ -10,15 +10,15 @@ from tensorboard.backend.event_processing import plugin_event_accumulator
 import tensorflow as tf
 
 import models
-from tests import train_run
 from tfdp import datasets
 from tfdp import errors
 from tfdp import trainer
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  return train_run.killed_resumed_rerun(tmp_path_factory)
+def runs(train_runs):
+  """The shared runs of tests/train_run.py (the train_runs fixture of tests/conftest.py)."""
+  return train_runs
 
 
 def _val(model_dir):
@@ -30,6 +30,7 @@ def _val(model_dir):
           for tag in acc.Tags()["tensors"]}
 
 
+@pytest.mark.slow
 def test_eval_metrics_go_to_tensorboard_at_the_global_step_and_to_the_log(runs):
   val = _val(runs["model_dir"])
   assert set(val) == {"val_loss", "val_accuracy"}
@@ -45,6 +46,7 @@ def test_eval_metrics_go_to_tensorboard_at_the_global_step_and_to_the_log(runs):
     assert loss == pytest.approx(val["val_loss"][step], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_keep_best_by_val_loss_keeps_the_newest_and_the_two_best(runs):
   model_dir = runs["model_dir"]
   val = _val(model_dir)["val_loss"]

@@ -172,6 +172,7 @@ def test_safetensors_refuses_a_folder_with_other_shards_unless_overwrite(trained
   assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "notes.txt"]
 
 
+@pytest.mark.slow
 def test_keras_files_load_in_plain_keras_with_the_same_predictions(trained, tmp_path):
   # save_keras of a model built and compiled under 2 mirrored replicas, as
   # tfdp-train builds it (dlrm: dict inputs, keras.ops in its graph) ...

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tfdp import cluster
 from tfdp import errors
 from tfdp import heartbeat
 from tfdp import launch
@@ -16,6 +17,7 @@ from tfdp.checkpoint import faults
 from tests.workers import ft_common
 
 
+@pytest.mark.slow
 def test_a_survivor_exits_within_the_bound_naming_the_lost_peer(tmp_path):
   out = open(tmp_path / "log.txt", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
   cmd = ft_common.command(str(tmp_path / "model"))
@@ -78,6 +80,8 @@ def _plan(seed):
 TIERS = ["--checkpoint_every_steps=100", "--local_checkpoint_every_steps=5"]
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("ft_reference")  # made early (tests/shared.py)
 def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_path, tmp_path_factory):
   """Local tier every 5 steps, persistent every 100: each SIGKILL costs at most a few steps.
 

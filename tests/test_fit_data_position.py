@@ -3,11 +3,13 @@
 tests/workers/data_resume.py is a plain Keras script with
 tfdp.callbacks.BackupAndRestore (TFRecord files, interleave, seeded shuffle,
 stateless augmentation, batch, prefetch; dropout; op determinism). One
-uninterrupted run per topology is shared by every assertion.
+uninterrupted run per topology is shared by every assertion; independent
+processes run two at a time.
 """
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -16,15 +18,19 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, WORKERS, launch_workers
+from tests.conftest import REPO, WORKERS, launch_workers, run_all
+from tests import shared
+from tests.shared import shared_run
 
 SCRIPT = os.path.join(WORKERS, "data_resume.py")
 MODES = ("finite", "repeat", "arrays", "source")
 
+pytestmark = pytest.mark.slow
+
 
 def _run(out_root, modes, env=None, replicas=2):
   """One process: Mirrored over 2 CPU replicas (1: no strategy)."""
-  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+  full_env = shared.environ(TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env.pop("TF_CONFIG", None)
   proc = subprocess.run([sys.executable, SCRIPT, str(out_root), modes, str(replicas)], cwd=REPO,
                         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -36,99 +42,173 @@ def _weights(out_root, mode, worker=0):
   return np.load(os.path.join(out_root, mode, f"weights-{worker}.npy"))
 
 
+# mode -> (kill at global step, async saves): `background` saves, whose data
+# position is taken at the step of their variables.
+CUTS = {"finite": (20, "0"), "repeat": (7, "1"), "arrays": (26, "0"), "source": (17, "0")}
+COMPAT_OFF = {"TFDP_COMPAT_DISABLE": "fit_data_state"}
+
+
+@shared_run("mirrored_runs")
+def mirrored_runs(root):
+  """Every single-process run of this file, two processes at a time: {name: [code, output], "root"}.
+
+  Under root: ref/MODE (uninterrupted, every mode in one process); cut/MODE
+  (killed at CUTS, then resumed, one process each); stock/finite and
+  stock/repeat (the fit_data_state fix off: an uninterrupted finite run,
+  then repeat killed at 7, resumed with the fix on); one/ and one-cut/ (no
+  strategy: uninterrupted, and killed at 8, resumed).
+  """
+  cut = {f"TFDP_TEST_ASYNC_{m.upper()}": a for m, (_, a) in CUTS.items()}
+  first = {"ref": lambda: _run(root / "ref", ",".join(MODES)),
+           "stock": lambda: _run(root / "stock", "finite,repeat",
+                                 env=dict(COMPAT_OFF, TFDP_TEST_KILL_AT_REPEAT="7")),
+           "one": lambda: _run(root / "one", "finite", replicas=1),
+           "one-killed": lambda: _run(root / "one-cut", "finite", replicas=1,
+                                      env={"TFDP_TEST_KILL_AT": "8"})}
+  for mode, (kill_at, _) in CUTS.items():
+    first[f"killed-{mode}"] = lambda m=mode, k=kill_at: _run(
+        root / "cut", m, env=dict(cut, TFDP_TEST_KILL_AT=str(k)))
+  # Each resume in a process of its own, as a user reruns a script.
+  then = {f"resumed-{m}": lambda m=m: _run(root / "cut", m, env=cut) for m in CUTS}
+  then.update({"stock-resumed": lambda: _run(root / "stock", "repeat"),
+               "one-resumed": lambda: _run(root / "one-cut", "finite", replicas=1)})
+  done = dict(zip(first, run_all(list(first.values()))))
+  done.update(zip(then, run_all(list(then.values()))))
+  done["root"] = str(root)
+  return done
+
+
 @pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
-  root = tmp_path_factory.mktemp("mirrored")
-  code, out = _run(root / "ref", ",".join(MODES))
-  assert code == 0, out[-3000:]
-  return root
+def mirrored(mirrored_runs):
+  """(root folder, runs) of `mirrored_runs`."""
+  return pathlib.Path(mirrored_runs["root"]), mirrored_runs
 
 
-@pytest.mark.parametrize("mode,kill_at,background", [
-    ("finite", 20, "0"), ("repeat", 7, "1"), ("arrays", 26, "0"), ("source", 17, "0")])
-def test_mirrored_fit_killed_mid_epoch_resumes_bitwise(mirrored, mode, kill_at, background):
-  """`background`: async saves, whose data position is taken at the step of their variables."""
-  cut = mirrored / f"cut-{mode}"
-  env = {"TFDP_TEST_ASYNC": background}
-  code, out = _run(cut, mode, env=dict(env, TFDP_TEST_KILL_AT=str(kill_at)))
+@pytest.mark.parametrize("mode", sorted(CUTS))
+def test_mirrored_fit_killed_mid_epoch_resumes_bitwise(mirrored, mode):
+  root, runs = mirrored
+  kill_at = CUTS[mode][0]
+  code, out = runs[f"killed-{mode}"]
   assert code == -9, out[-3000:]  # SIGKILLed after the step, not before its save
-  code, out = _run(cut, mode, env=env)
+  code, out = runs[f"resumed-{mode}"]
   assert code == 0, out[-3000:]
   restored = int(re.search(r"restored=(\d+)", out).group(1))
   assert 0 < restored <= kill_at and restored % 3 == 0, out[-3000:]  # a mid-run backup
-  np.testing.assert_array_equal(_weights(mirrored / "ref", mode), _weights(cut, mode))
+  np.testing.assert_array_equal(_weights(root / "ref", mode), _weights(root / "cut", mode))
 
 
-def test_fit_without_a_strategy_killed_mid_epoch_resumes_bitwise(tmp_path):
-  code, out = _run(tmp_path / "ref", "finite", replicas=1)
+def test_fit_without_a_strategy_killed_mid_epoch_resumes_bitwise(mirrored):
+  root, runs = mirrored
+  code, out = runs["one"]
   assert code == 0, out[-3000:]
-  code, out = _run(tmp_path / "cut", "finite", replicas=1, env={"TFDP_TEST_KILL_AT": "8"})
+  code, out = runs["one-killed"]
   assert code == -9, out[-3000:]
-  code, out = _run(tmp_path / "cut", "finite", replicas=1)
+  code, out = runs["one-resumed"]
   assert code == 0 and "restored=6" in out, out[-3000:]
-  np.testing.assert_array_equal(_weights(tmp_path / "ref", "finite"),
-                                _weights(tmp_path / "cut", "finite"))
+  np.testing.assert_array_equal(_weights(root / "one", "finite"),
+                                _weights(root / "one-cut", "finite"))
 
 
 def test_uninterrupted_fit_trains_on_what_stock_tf_distributes(mirrored):
   """The checkpointable iterators yield TF's own elements: same weights as with the hooks off."""
-  stock = mirrored / "stock"
-  code, out = _run(stock, "finite", env={"TFDP_COMPAT_DISABLE": "fit_data_state"})
-  assert code == 0, out[-3000:]
-  np.testing.assert_array_equal(_weights(mirrored / "ref", "finite"), _weights(stock, "finite"))
+  root, runs = mirrored
+  code, out = runs["stock"]
+  assert "RESULT mode=finite worker=0" in out, out[-3000:]  # finite ran to its end first
+  np.testing.assert_array_equal(_weights(root / "ref", "finite"),
+                                _weights(root / "stock", "finite"))
 
 
 def test_backup_without_data_position_restores_with_a_warning(mirrored):
-  old = mirrored / "old"
-  code, out = _run(old, "repeat", env={"TFDP_COMPAT_DISABLE": "fit_data_state",
-                                       "TFDP_TEST_KILL_AT": "7"})
+  _, runs = mirrored
+  code, out = runs["stock"]
   assert code == -9, out[-3000:]
-  code, out = _run(old, "repeat")
+  code, out = runs["stock-resumed"]
   assert code == 0, out[-3000:]
   assert "holds no data position" in out and "restarts from its first batch" in out, out[-3000:]
-  assert "RESULT mode=repeat worker=0 steps=16 restored=6" in out  # 6 restored + epoch 1 rerun + epoch 2
+  # 6 restored + epoch 1 rerun + epoch 2
+  assert "RESULT mode=repeat worker=0 steps=16 restored=6" in out
+
+
+# mode -> (kill at global step, env of both runs). By DATA, the backup also has
+# a local tier every 2 steps (in /dev/shm).
+TWO_WORKER_CUTS = {"finite": (8, {}),
+                   "data": (11, {"TFDP_TEST_LOCAL_EVERY_DATA": "2", "TFDP_TEST_KILL_DELAY": "1"})}
+
+
+@shared_run("two_worker_reference_runs")
+def two_worker_reference_runs(root):
+  """The uninterrupted 2-worker job, both modes in one: {"root", "ref": [code, output]}."""
+  return {"root": str(root),
+          "ref": launch_workers([sys.executable, SCRIPT, str(root / "ref"), "finite,data"])}
 
 
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
+def two_workers(two_worker_reference_runs, tmp_path_factory):
+  """Every 2-worker run of this file: {name: (code, output)} and the root.
+
+  "ref" and "ref_root": the shared uninterrupted job (two_worker_reference_runs);
+  cut/MODE killed at TWO_WORKER_CUTS (worker 1 is SIGKILLed), then resumed,
+  one job each (both at once); moved/finite: the killed finite backup on 1
+  worker; "manifest-finite": the newest manifest of cut/finite at the kill.
+  """
   root = tmp_path_factory.mktemp("two_workers")
-  code, out = launch_workers([sys.executable, SCRIPT, str(root / "ref"), "finite,data"])
-  assert code == 0, out[-3000:]
-  return root
+
+  def killed(mode):
+    kill_at, env = TWO_WORKER_CUTS[mode]
+    return launch_workers([sys.executable, SCRIPT, str(root / "cut"), mode],
+                          env=dict(env, TFDP_TEST_KILL_AT=str(kill_at), TFDP_TEST_KILL_WORKER="1"))
+
+  def moved():
+    shutil.copytree(root / "cut" / "finite" / "backup", root / "moved" / "finite" / "backup")
+    return _run(root / "moved", "finite")
+
+  def manifest_at_kill(mode):
+    # The resumed run deletes its backup at the end, as Keras's does.
+    manifests = sorted((root / "cut" / mode / "backup").glob("ckpt-*.manifest.json"))
+    return json.loads(manifests[-1].read_text()) if manifests else None
+
+  runs = {"ref": two_worker_reference_runs["ref"], "killed-finite": killed("finite"),
+          "ref_root": pathlib.Path(two_worker_reference_runs["root"])}
+  runs["manifest-finite"] = manifest_at_kill("finite")
+  runs.update(zip(["killed-data", "moved"], run_all([lambda: killed("data"), moved])))
+  runs.update(zip(["resumed-finite", "resumed-data"], run_all([
+      lambda m=m: launch_workers([sys.executable, SCRIPT, str(root / "cut"), m],
+                                 env=TWO_WORKER_CUTS[m][1]) for m in ("finite", "data")])))
+  return root, runs
 
 
-@pytest.mark.parametrize("mode,kill_at", [("finite", 8), ("data", 11)])
-def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode, kill_at):
+@pytest.mark.parametrize("mode", sorted(TWO_WORKER_CUTS))
+def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode):
   """Keras auto-sharding by FILE (finite) and by DATA; worker 1 is SIGKILLed.
 
   By DATA, the backup also has a local tier every 2 steps (in /dev/shm):
   the kill at step 11 resumes from each worker's own copy of step 10, data
   positions included, not from the persistent step 9.
   """
-  cut = two_workers / f"cut-{mode}"
-  tier = {"TFDP_TEST_LOCAL_EVERY": "2", "TFDP_TEST_KILL_DELAY": "1"} if mode == "data" else {}
-  code, out = launch_workers([sys.executable, SCRIPT, str(cut), mode],
-                             env={"TFDP_TEST_KILL_AT": str(kill_at), "TFDP_TEST_KILL_WORKER": "1",
-                                  **tier})
+  root, runs = two_workers
+  code, out = runs["ref"]
+  assert code == 0, out[-3000:]
+  cut = root / "cut"
+  code, out = runs[f"killed-{mode}"]
   assert code != 0, out[-3000:]
   if mode == "finite":  # Another topology cannot take the per-worker positions.
-    manifests = sorted((cut / mode / "backup").glob("ckpt-*.manifest.json"))
-    writers = json.loads(manifests[-1].read_text())["writers"]
+    manifest = runs["manifest-finite"]  # the newest at the kill
+    assert manifest, "no committed backup at the kill"
+    writers = manifest["writers"]
     # Each worker wrote its own iterator state (the shuffle buffer dominates).
     assert all(writers[w]["per_worker_bytes"] > 1000 for w in ("0", "1")), writers
-    moved = two_workers / "moved"
-    shutil.copytree(cut / mode / "backup", moved / mode / "backup")
-    code, other = _run(moved, mode)
-    assert code != 0 and "holds the data positions of 2 worker(s) with 2 replica(s) in all" in other, (
+    code, other = runs["moved"]
+    assert code != 0, other[-3000:]
+    assert "holds the data positions of 2 worker(s) with 2 replica(s) in all" in other, (
         other[-3000:])
     assert "restart_epoch_data=True" in other
-  code, out = launch_workers([sys.executable, SCRIPT, str(cut), mode], env=tier)
+  code, out = runs[f"resumed-{mode}"]
   assert code == 0, out[-3000:]
   assert len(re.findall(rf"RESULT mode={mode} worker=\d steps=\d+ restored=[1-9]", out)) == 2, (
       out[-3000:])
-  if tier:  # The persistent tier's newest is step 9.
+  if mode == "data":  # The persistent tier's newest is step 9.
     assert len(re.findall(r"RESULT mode=data worker=\d steps=\d+ restored=10\b", out)) == 2, (
         out[-3000:])
-  ref = _weights(two_workers / "ref", mode)
+  ref = _weights(runs["ref_root"] / "ref", mode)
   for worker in (0, 1):
     np.testing.assert_array_equal(ref, _weights(cut, mode, worker))

@@ -15,6 +15,8 @@ import pytest
 from tfdp import errors
 from tfdp import launch
 from tests.conftest import REPO, WORKERS
+from tests import shared
+from tests.shared import shared_run
 
 PY = sys.executable
 FAKE = os.path.join(WORKERS, "ft_fake.py")
@@ -409,27 +411,30 @@ _IMPORTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def imports():
+@shared_run("import_runs")
+def import_runs(root):
+  """Each _IMPORTS case in a fresh interpreter, all at once: {case: [code, output]}."""
+  del root
   report = ("\nimport json, sys\n"
             "compat = sys.modules.get('tfdp.compat')\n"
             "print(json.dumps(['tensorflow' in sys.modules, compat is not None and "
             "compat.applied() == set(compat.fixes())]))\n")
-  env = dict(os.environ)
+  env = shared.environ()
   env.pop("TFDP_COMPAT_DISABLE", None)
   procs = {case: subprocess.Popen([PY, "-c", case + report], cwd=REPO, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-           for case in _IMPORTS}  # at once: most of them start TensorFlow
+           for case in _IMPORTS}
   results = {}
   for case, proc in procs.items():
     out = proc.communicate(timeout=300)[0].decode()
-    results[case] = (proc.returncode, out)
+    results[case] = [proc.returncode, out]
   return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(_IMPORTS))
-def test_tfdp_is_lazy_and_applies_compat_before_it_is_used(imports, case):
-  code, out = imports[case]
+def test_tfdp_is_lazy_and_applies_compat_before_it_is_used(import_runs, case):
+  code, out = import_runs[case]
   assert code == 0, out[-3000:]
   uses_tf = _IMPORTS[case]
   assert json.loads(out.splitlines()[-1]) == [uses_tf, uses_tf], out[-3000:]

@@ -11,7 +11,9 @@ import time
 import pytest
 import tensorflow as tf
 
+from tests import shared
 from tests.conftest import launch_workers
+from tests.shared import shared_run
 from tfdp import errors
 from tfdp.checkpoint import CheckpointManager
 from tfdp.checkpoint import layout as layout_lib
@@ -54,6 +56,7 @@ def held(tmp_path_factory):
   proc.wait()
 
 
+@pytest.mark.slow
 def test_a_second_job_is_refused_before_it_deletes_anything(held):
   d, proc = held
   # Leftovers a cleanup would delete: a torn save's temp dir and a torn manifest.
@@ -73,6 +76,7 @@ def test_a_second_job_is_refused_before_it_deletes_anything(held):
   assert _lease(d)["pid"] == proc.pid
 
 
+@pytest.mark.slow
 def test_a_dead_holder_on_this_host_is_taken_over(held):
   d, proc = held
   proc.send_signal(signal.SIGKILL)
@@ -127,7 +131,6 @@ REFUSED_JOB = """
 import sys
 import tensorflow as tf
 import tfdp
-from tests.conftest import launch_workers
 from tfdp import errors
 strategy = tfdp.make_strategy()
 with strategy.scope():
@@ -141,23 +144,37 @@ print("not refused", flush=True)
 """
 
 
-def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(tmp_path):
-  # Its own holder: other tests take the module's `held` directory over.
-  d = str(tmp_path / "model")
-  env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
+@shared_run("refused_job_runs")
+def refused_job_runs(root):
+  """A 2-worker job on a directory that a live holder process leases.
+
+  Its own holder: other tests take the module's `held` directory over.
+  Returns {"dir", "holder_pid", "ready" (the holder's first line), "code", "out"}.
+  """
+  d = str(root / "model")
+  env = shared.environ(PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2")
   proc = subprocess.Popen([sys.executable, "-c", HOLDER, d], env=env, cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  code, out = None, "the holder did not get ready"
   try:
-    assert proc.stdout.readline().strip() == "ready"
-    code, out = launch_workers([sys.executable, "-c", REFUSED_JOB, d], num_workers=2,
-                               timeout=240)
+    ready = proc.stdout.readline().strip()
+    if ready == "ready":
+      code, out = launch_workers([sys.executable, "-c", REFUSED_JOB, d], num_workers=2,
+                                 timeout=240)
   finally:
     proc.kill()
     proc.wait()
+  return {"dir": d, "holder_pid": proc.pid, "ready": ready, "code": code, "out": out}
+
+
+@pytest.mark.slow
+def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(refused_job_runs):
+  d, code, out = (refused_job_runs[k] for k in ("dir", "code", "out"))
+  assert refused_job_runs["ready"] == "ready"
   assert code != 0, out
   assert f"[worker 0] refused: {d} is in use by another job" in out, out[-3000:]
   # Worker 1 learns it from the chief through the session agreement instead of
   # waiting in it for a chief that has given up.
   assert "[worker 1] refused: The chief could not start checkpointing" in out, out[-3000:]
   assert "not refused" not in out
-  assert _lease(d)["pid"] == proc.pid
+  assert _lease(d)["pid"] == refused_job_runs["holder_pid"]

@@ -22,6 +22,7 @@ def mirrored():
   return S.make_strategy("mirrored", cpu_replicas=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet20", "bert", "dlrm"])
 def test_loss_falls_under_two_mirrored_replicas(mirrored, name):
   result = models_worker.train(mirrored, name, 16, steps_per_epoch=8)
@@ -55,6 +56,7 @@ def test_big_models_build_and_take_one_step(name):
   _one_eager_step(model, spec, 32)
 
 
+@pytest.mark.slow
 def test_every_model_trains_under_two_worker_multi_worker_mirrored():
   # One 2-worker job trains each model in turn (graph mode); resnet20 in
   # mixed bfloat16, whose variables must stay float32 for MWMS's broadcast.
@@ -102,6 +104,7 @@ def test_cifar_resnet_depth():
     models.resnet.cifar_resnet(21)
 
 
+@pytest.mark.slow
 def test_bert_base_is_the_110m_encoder():
   model = bert.build("base", vocab_size=bert.BASE_VOCAB_SIZE, seq_len=128, max_predictions=20)
   assert 108e6 < model.count_params() < 111e6
@@ -153,6 +156,7 @@ def test_sgd_weight_decay_is_l2_in_the_gradient_and_skips_biases():
     optim.make_optimizer("adam", 0.1, weight_decay=0.1)
 
 
+@pytest.mark.slow
 def test_readme_keras_to_tfdp_example_runs_and_changes_five_lines(tmp_path):
   import difflib  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top

@@ -14,6 +14,8 @@ import pytest
 from tfdp import launch
 from tests.workers import ft_common
 
+pytestmark = pytest.mark.slow
+
 # A private range that exists only inside the test's namespaces.
 SUBNET = "10.213.0"
 
@@ -78,6 +80,7 @@ def _wait_for(predicate, timeout, what):
     time.sleep(0.1)
 
 
+@pytest.mark.usefixtures("ft_reference")  # made early (tests/shared.py)
 def test_kill_and_link_cut_across_namespaces_end_bitwise_equal(two_hosts, tmp_path,
                                                                tmp_path_factory):
   reference = ft_common.reference(tmp_path_factory)

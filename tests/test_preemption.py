@@ -6,9 +6,11 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import REPO
-from tests.test_resume import FINAL, assert_bitwise_equal, committed_steps, interrupt
-from tests.test_resume import reference_run, resume
+import pytest
+
+from tests.conftest import REPO, run_all
+from tests.resume_run import FINAL, assert_bitwise_equal, committed_steps, interrupt
+from tests.resume_run import reference_of, resume
 from tfdp import preemption
 
 
@@ -18,11 +20,51 @@ def test_exit_codes_are_distinct_and_documented():
   assert preemption.Preempted(7, "x").code == preemption.EXIT_PREEMPTED
 
 
+def _freeze_then_terminate(elapsed):
+  """An `interrupt` action: SIGSTOP to worker 1, then SIGTERM to worker 0.
+
+  Appends to `elapsed` the seconds from the SIGTERM to the launcher's report of the grace exit.
+  """
+  def act(_, workers, log_path):
+    os.kill(workers[1], signal.SIGSTOP)
+    time.sleep(0.5)
+    start = time.monotonic()
+    os.kill(workers[0], signal.SIGTERM)
+    needle = f"code {preemption.EXIT_GRACE_EXPIRED}"
+    while needle not in open(log_path, errors="replace").read():
+      assert time.monotonic() - start < 60, open(log_path).read()[-3000:]
+      time.sleep(0.1)
+    elapsed.append(time.monotonic() - start)
+  return act
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+  """Both interrupted 2-worker runs of this file, at once (their own directories).
+
+  "sigterm": SIGTERM to worker 1 past step 20; "frozen": worker 1 frozen
+  past step 10, then SIGTERM to worker 0. Each is {"model_dir", "code",
+  "out"}; "frozen" also has "elapsed" (seconds from the SIGTERM to the
+  launcher's report).
+  """
+  root = tmp_path_factory.mktemp("preempted")
+  runs = {"sigterm": {"model_dir": str(root / "sigterm")},
+          "frozen": {"model_dir": str(root / "frozen"), "elapsed": []}}
+  done = run_all([
+      lambda: interrupt(runs["sigterm"]["model_dir"], "sigterm_worker"),
+      lambda: interrupt(runs["frozen"]["model_dir"], _freeze_then_terminate(
+          runs["frozen"]["elapsed"]), after_step=10, grace_seconds=1,
+                        flags=["--preemption_grace_seconds=3"])])
+  for run, (code, out) in zip(runs.values(), done):
+    run.update(code=code, out=out)
+  return runs
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_bitwise(
-    tmp_path_factory, tmp_path):
-  reference = reference_run(tmp_path_factory)
-  model_dir = str(tmp_path / "model")
-  code, out = interrupt(model_dir, "sigterm_worker")
+    resume_runs, interrupted):
+  reference = reference_of(resume_runs)["final"]
+  model_dir, code, out = (interrupted["sigterm"][k] for k in ("model_dir", "code", "out"))
   assert code != 0
   # Worker 1 got the signal; both agreed, saved one checkpoint together and
   # exited with the preemption code (the launcher reports the first).
@@ -38,32 +80,20 @@ def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_bitwise(
   assert_bitwise_equal(reference, os.path.join(model_dir, FINAL))
 
 
-def test_a_worker_that_cannot_save_exits_when_the_grace_period_ends(tmp_path):
+@pytest.mark.slow
+def test_a_worker_that_cannot_save_exits_when_the_grace_period_ends(interrupted):
   # Worker 1 is frozen (SIGSTOP), so worker 0 blocks in the next collective
   # and can never agree or save; after --preemption_grace_seconds it exits
   # with EXIT_GRACE_EXPIRED although its main thread is stuck inside TF.
-  model_dir = str(tmp_path / "model")
-  elapsed = []
-
-  def freeze_then_terminate(_, workers, log_path):
-    os.kill(workers[1], signal.SIGSTOP)
-    time.sleep(0.5)
-    start = time.monotonic()
-    os.kill(workers[0], signal.SIGTERM)
-    needle = f"code {preemption.EXIT_GRACE_EXPIRED}"
-    while needle not in open(log_path, errors="replace").read():
-      assert time.monotonic() - start < 60, open(log_path).read()[-3000:]
-      time.sleep(0.1)
-    elapsed.append(time.monotonic() - start)
-
-  code, out = interrupt(model_dir, freeze_then_terminate, after_step=10,
-                        grace_seconds=1, flags=["--preemption_grace_seconds=3"])
+  frozen = interrupted["frozen"]
+  code, out, elapsed = frozen["code"], frozen["out"], frozen["elapsed"]
   assert code != 0
   assert "no preemption checkpoint within the grace period of 3.0 s" in out, out[-3000:]
   assert 3 <= elapsed[0] < 15, elapsed
-  assert 60 not in committed_steps(model_dir)
+  assert 60 not in committed_steps(frozen["model_dir"])
 
 
+@pytest.mark.slow
 def test_the_grace_watchdog_works_again_after_a_reinstall():
   # A second plain model.fit in one process installs the handler again.
   code = ("import os, signal, time\n"

@@ -2,13 +2,17 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
 
 from absl import flags
+import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_all
+from tests import shared
+from tests.shared import shared_run
 
 
 def _readme(path="README.md"):
@@ -30,29 +34,53 @@ def _data_bytes(ckpt_dir, prefix="ckpt-48"):
              if f.startswith(prefix + ".data-"))
 
 
-def test_python_example_runs_and_resumes(tmp_path):
+@shared_run("example_runs")
+def example_runs(root):
+  """The README's Python example, twice as it is, and twice under `tfdp-launch --num_workers=2`.
+
+  Each pair trains then resumes (the second run finds ckpt-48 and has
+  nothing left to train), in its own folder; both pairs at once. Under the
+  launcher its manager is built outside the strategy's scope, as TF's
+  tutorials build it. Returns {"one": folder, "two": folder, "alone":
+  [[code, output], ...], "launched": [...]} (a pair stops at a failure).
+  """
   code = re.search(r"```python\n(.*?)```", _readme(), re.S).group(1)
-  env = dict(os.environ, PYTHONPATH=REPO)
+  env = shared.environ(PYTHONPATH=REPO)
   env.pop("TF_CONFIG", None)
-  one, two = tmp_path / "one_worker", tmp_path / "two_workers"
+  one, two = root / "one_worker", root / "two_workers"
   one.mkdir()
   two.mkdir()
-  for _ in range(2):  # the second run finds ckpt-48 and has nothing left to train
-    proc = subprocess.run([sys.executable, "-c", code], cwd=one, env=env, timeout=300,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
-    assert proc.returncode == 0, proc.stdout.decode()[-3000:]
+  (two / "example.py").write_text(code)
+
+  def twice(command, cwd):
+    runs = []
+    for _ in range(2):
+      proc = subprocess.run(command, cwd=cwd, env=env, timeout=300, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, check=False)
+      runs.append([proc.returncode, proc.stdout.decode("utf-8", errors="replace")])
+      if proc.returncode:
+        break
+    return runs
+
+  alone, launched = run_all([
+      lambda: twice([sys.executable, "-c", code], one),
+      lambda: twice([sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--",
+                     sys.executable, "example.py"], two)])
+  return {"one": str(one), "two": str(two), "alone": alone, "launched": launched}
+
+
+@pytest.mark.slow
+def test_python_example_runs_and_resumes(example_runs):
+  one, two = pathlib.Path(example_runs["one"]), pathlib.Path(example_runs["two"])
+  for code, out in example_runs["alone"]:
+    assert code == 0, out[-3000:]
+  assert len(example_runs["alone"]) == 2
   assert sorted(f for f in os.listdir(one / "runs" / "example") if f.endswith(".index")) == [
       "ckpt-16.index", "ckpt-32.index", "ckpt-48.index"]
 
-  # The same file under `tfdp-launch --num_workers=2`, train then resume: its
-  # manager is built outside the strategy's scope, as TF's tutorials build it.
-  (two / "example.py").write_text(code)
-  for _ in range(2):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--", sys.executable,
-         "example.py"], cwd=two, env=env, timeout=300, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, check=False)
-    assert proc.returncode == 0, proc.stdout.decode()[-3000:]
+  for code, out in example_runs["launched"]:
+    assert code == 0, out[-3000:]
+  assert len(example_runs["launched"]) == 2
   ckpts = two / "runs" / "example"
   assert sorted(f for f in os.listdir(ckpts) if f.endswith(".index")) == [
       "ckpt-16.index", "ckpt-32.index", "ckpt-48.index"]

@@ -7,24 +7,40 @@ import numpy as np
 import pytest
 
 from tests.conftest import WORKERS, launch_workers
+from tests.shared import shared_run
 
 SCRIPT = [sys.executable, os.path.join(WORKERS, "resume_batches.py")]
 
 
-def test_next_batches_after_restore_in_a_new_process_are_identical_per_worker(tmp_path):
-  out = str(tmp_path)
-  # 96 examples / 8 per step = 12 steps an epoch: K=10 leaves the next
-  # batches straddling an epoch boundary (a new permutation).
-  k, m = 10, 4
-  code, log = launch_workers(SCRIPT + [out, "first", str(k), str(m)], num_workers=2)
-  assert code == 0, log[-5000:]
-  code, log = launch_workers(SCRIPT + [out, "second", str(k), str(m)], num_workers=2)
-  assert code == 0, log[-5000:]
+# 96 examples / 8 per step = 12 steps an epoch: K=10 leaves the next M
+# batches straddling an epoch boundary (a new permutation).
+K, M = 10, 4
+
+
+@shared_run("batches_runs")
+def batches_runs(root):
+  """resume_batches.py on 2 workers: "first" takes K steps and saves, then "second" restores.
+
+  Returns {"out": folder, "runs": [[code, log], ...]} (no "second" if "first" failed).
+  """
+  out = str(root)
+  runs = [launch_workers(SCRIPT + [out, "first", str(K), str(M)], num_workers=2)]
+  if runs[0][0] == 0:
+    runs.append(launch_workers(SCRIPT + [out, "second", str(K), str(M)], num_workers=2))
+  return {"out": out, "runs": runs}
+
+
+@pytest.mark.slow
+def test_next_batches_after_restore_in_a_new_process_are_identical_per_worker(batches_runs):
+  out = batches_runs["out"]
+  for code, log in batches_runs["runs"]:
+    assert code == 0, log[-5000:]
+  assert len(batches_runs["runs"]) == 2
   for w in (0, 1):
     first = np.load(os.path.join(out, f"first_w{w}.npz"))
     second = np.load(os.path.join(out, f"second_w{w}.npz"))
-    assert int(second["start"]) == k
-    assert first["images"].shape == (m, 1, 4, 4, 4, 1)  # steps, local replicas, batch
+    assert int(second["start"]) == K
+    assert first["images"].shape == (M, 1, 4, 4, 4, 1)  # steps, local replicas, batch
     np.testing.assert_array_equal(first["images"], second["images"])
     np.testing.assert_array_equal(first["labels"], second["labels"])
   w0, w1 = (np.load(os.path.join(out, f"second_w{w}.npz")) for w in (0, 1))

@@ -163,6 +163,7 @@ def test_peer_timeout_must_be_positive(monkeypatch):
     S.make_strategy("multi_worker", peer_timeout_seconds=0)
 
 
+@pytest.mark.slow
 def test_multi_worker_with_two_cpu_replicas_each():
   code, out, results = identity_run.results("strategy")
   assert code == 0, out[-5000:]

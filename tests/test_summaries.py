@@ -10,10 +10,12 @@ import tensorflow as tf
 
 from tests import train_run
 
+pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  return train_run.killed_resumed_rerun(tmp_path_factory)
+def runs(train_runs):
+  """The shared runs of tests/train_run.py (the train_runs fixture of tests/conftest.py)."""
+  return train_runs
 
 
 def _accumulated(model_dir, run):

@@ -10,11 +10,15 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, WORKERS
-from tests.test_resume import committed_steps
+from tests.conftest import REPO, WORKERS, run_all
+from tests import shared
+from tests.shared import shared_run
+from tests.resume_run import committed_steps
 
 SCRIPT = os.path.join(WORKERS, "keras_converted.py")
 LOOP = os.path.join(WORKERS, "custom_loop.py")
+
+pytestmark = pytest.mark.slow
 
 
 def _children(pid):
@@ -33,7 +37,7 @@ def _children(pid):
 
 
 def _launch(args, env=None, script=SCRIPT):
-  full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+  full_env = shared.environ(TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env.pop("TF_CONFIG", None)
   return subprocess.Popen(
       [sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--", sys.executable, script]
@@ -54,15 +58,32 @@ def _kill_a_worker_after(proc, model_dir, step):
   assert proc.returncode != 0, out[-3000:]
 
 
-@pytest.mark.parametrize("save_freq,delete,double", [("epoch", "1", "1"), ("5", "0", "0")])
-def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, save_freq,
+CONVERTED = [("epoch", "1", "1"), ("5", "0", "0")]
+
+
+@shared_run("converted_runs")
+def converted_runs(root):
+  """Each CONVERTED case killed past step 40, then rerun, both at once.
+
+  Returns {"SAVE_FREQ-DELETE-DOUBLE": [backup, exit code, output of the rerun]}.
+  """
+  def kill_and_rerun(save_freq, delete, double):
+    backup = str(root / f"backup-{save_freq}")
+    args = [backup, save_freq, delete, double]
+    _kill_a_worker_after(_launch(args, env={"TFDP_TEST_SLOW_FROM": "40"}), backup, 40)
+    proc = _launch(args)
+    out = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
+    return [backup, proc.returncode, out]
+
+  done = run_all([lambda case=case: kill_and_rerun(*case) for case in CONVERTED])
+  return {"-".join(case): result for case, result in zip(CONVERTED, done)}
+
+
+@pytest.mark.parametrize("save_freq,delete,double", CONVERTED)
+def test_converted_script_killed_and_rerun_finishes_on_both_workers(converted_runs, save_freq,
                                                                     delete, double):
-  backup = str(tmp_path / "backup")
-  args = [backup, save_freq, delete, double]
-  _kill_a_worker_after(_launch(args, env={"TFDP_TEST_SLOW_FROM": "40"}), backup, 40)
-  proc = _launch(args)
-  out = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
-  assert proc.returncode == 0, out[-4000:]
+  backup, code, out = converted_runs["-".join((save_freq, delete, double))]
+  assert code == 0, out[-4000:]
   finals = re.findall(r"test_accuracy=([\d.]+) step=(\d+) restored_step=(\d+)", out)
   assert len(finals) == 2, out[-4000:]  # both workers finished and evaluated
   restored = int(finals[0][2])
@@ -79,28 +100,52 @@ def test_converted_script_killed_and_rerun_finishes_on_both_workers(tmp_path, sa
     assert committed_steps(backup)[-1] == (final if save_freq == "epoch" else final - final % 5)
 
 
-def test_custom_loop_survives_a_kill_inside_a_save_and_mid_run_bitwise(tmp_path):
-  """tfdp.CheckpointManager in a TF-tutorial loop: SIGKILL inside its first save, then mid-run."""
+@shared_run("custom_loop_runs")
+def custom_loop_runs(root):
+  """tests/workers/custom_loop.py on 2 workers, killed twice and rerun, beside its reference.
+
+  Returns {"reference", "crashed", "resumed": [code, output], "committed_after_crash", "root"}.
+
+  The uninterrupted reference (to reference.npz) runs beside the others:
+  in ckpt/, worker 1 dies after writing its shard of ckpt-10, before its
+  done-marker ("crashed"); the same command, slowed from step 20, loses a
+  worker to SIGKILL past checkpoint 20; then it runs to the end ("resumed",
+  to out.npz).
+  """
   def run(ckpt_dir, out, env=None):
     proc = _launch([str(ckpt_dir), str(out)], env=env, script=LOOP)
     text = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
-    return proc.returncode, text
+    return [proc.returncode, text]
 
-  code, text = run(tmp_path / "reference", tmp_path / "reference.npz")
+  ckpt, out = root / "ckpt", root / "out.npz"
+
+  def crash_then_kill():
+    crashed = run(ckpt, out, env={"TFDP_CKPT_TEST_CRASH_AT": "after_shard:1"})
+    committed = committed_steps(str(ckpt))
+    _kill_a_worker_after(_launch([str(ckpt), str(out)], script=LOOP,
+                                 env={"TFDP_TEST_SLOW_FROM": "20"}), str(ckpt), 20)
+    return crashed, committed
+
+  reference, (crashed, committed) = run_all(
+      [lambda: run(root / "reference", root / "reference.npz"), crash_then_kill])
+  return {"root": str(root), "reference": reference, "crashed": crashed,
+          "committed_after_crash": committed, "resumed": run(ckpt, out)}
+
+
+def test_custom_loop_survives_a_kill_inside_a_save_and_mid_run_bitwise(custom_loop_runs):
+  """tfdp.CheckpointManager in a TF-tutorial loop: SIGKILL inside its first save, then mid-run."""
+  runs = custom_loop_runs
+  code, text = runs["reference"]
   assert code == 0, text[-3000:]
-
-  ckpt = tmp_path / "ckpt"
-  # Worker 1 dies after writing its shard of ckpt-10, before its done-marker.
-  code, text = run(ckpt, tmp_path / "out.npz", env={"TFDP_CKPT_TEST_CRASH_AT": "after_shard:1"})
-  assert code != 0 and "killing worker 1 at after_shard" in text, text[-3000:]
-  assert committed_steps(str(ckpt)) == []
-  _kill_a_worker_after(_launch([str(ckpt), str(tmp_path / "out.npz")], script=LOOP,
-                               env={"TFDP_TEST_SLOW_FROM": "20"}), str(ckpt), 20)
-  code, text = run(ckpt, tmp_path / "out.npz")
+  crash_code, crash_text = runs["crashed"]
+  assert crash_code != 0 and "killing worker 1 at after_shard" in crash_text, crash_text[-3000:]
+  assert runs["committed_after_crash"] == []
+  code, text = runs["resumed"]
   assert code == 0, text[-3000:]
   starts = re.findall(r"custom_loop start=(\d+) step=40", text)
   assert len(starts) == 2 and set(starts) in ({"20"}, {"30"}), text[-3000:]
-  ref, res = np.load(tmp_path / "reference.npz"), np.load(tmp_path / "out.npz")
+  root = runs["root"]
+  ref, res = np.load(os.path.join(root, "reference.npz")), np.load(os.path.join(root, "out.npz"))
   assert len(ref.files) == len(res.files) > 4
   for k in ref.files:
     assert ref[k].tobytes() == res[k].tobytes(), k

@@ -1,12 +1,11 @@
 """One small tfdp-train run, SIGKILLed at step 13 and resumed to 24 then rerun, shared by test_summaries and test_eval."""
 
-import fcntl
-import json
 import os
 import subprocess
 import sys
 import time
 
+from tests import shared
 from tests.conftest import REPO, WORKERS
 
 TRAIN_STEPS = 24
@@ -39,7 +38,8 @@ print("OK", len(model.weights))
 
 
 def _env(env=None):
-  env = dict({k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, **(env or {}))
+  env = shared.environ(**(env or {}))
+  env.pop("TF_CONFIG", None)
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   return env
 
@@ -66,38 +66,29 @@ def event_files(model_dir, run="train"):
       folder) else []
 
 
-def killed_resumed_rerun(tmp_path_factory):
-  """Runs the three tfdp-train processes once per pytest session; returns their results.
+def killed_resumed_rerun(root):
+  """Runs the three tfdp-train processes in folder `root`; returns their results.
 
+  The `train_runs` fixture of tests/conftest.py (made once per session).
   killed: to step 13 (checkpoints 5 and 10), then SIGKILL; resumed: the
   same command, to step 24; rerun: the same command again (already
   complete), beside `plain_keras`, which loads model.keras without tfdp.
   Each result has code, stdout, stderr and seconds; `files_after_*` list
   the event files after each run.
   """
-  root = tmp_path_factory.getbasetemp() / "train_run"
-  root.mkdir(exist_ok=True)
   model_dir = str(root / "model")
-  done = root / "results.json"
-  with open(root / "lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if not done.exists():
-      flags = FLAGS + [f"--model_dir={model_dir}"]
-      results = {"model_dir": model_dir}
-      results["killed"] = _run(KILLABLE + flags, env={"TFDP_TEST_KILL_AT": str(KILL_AT)})
-      results["files_after_kill"] = {r: event_files(model_dir, r) for r in ("train", "validation")}
-      results["resumed"] = _run(KILLABLE + flags)
-      results["files_after_resume"] = {r: event_files(model_dir, r)
-                                       for r in ("train", "validation")}
-      # The plain-Keras check runs beside the rerun (they only read).
-      start = time.monotonic()
-      check = _start([sys.executable, "-c", PLAIN_KERAS_CHECK,
-                      os.path.join(model_dir, "model.keras"),
-                      os.path.join(model_dir, f"ckpt-{TRAIN_STEPS}")],
-                     env={"PYTHONPATH": ""}, cwd=str(root))
-      results["rerun"] = _run(KILLABLE + flags)
-      results["plain_keras"] = _result(check, start)
-      results["files_after_rerun"] = {r: event_files(model_dir, r)
-                                      for r in ("train", "validation")}
-      done.write_text(json.dumps(results))
-  return json.loads(done.read_text())
+  flags = FLAGS + [f"--model_dir={model_dir}"]
+  results = {"model_dir": model_dir}
+  results["killed"] = _run(KILLABLE + flags, env={"TFDP_TEST_KILL_AT": str(KILL_AT)})
+  results["files_after_kill"] = {r: event_files(model_dir, r) for r in ("train", "validation")}
+  results["resumed"] = _run(KILLABLE + flags)
+  results["files_after_resume"] = {r: event_files(model_dir, r) for r in ("train", "validation")}
+  # The plain-Keras check runs beside the rerun (they only read).
+  start = time.monotonic()
+  check = _start([sys.executable, "-c", PLAIN_KERAS_CHECK, os.path.join(model_dir, "model.keras"),
+                  os.path.join(model_dir, f"ckpt-{TRAIN_STEPS}")],
+                 env={"PYTHONPATH": ""}, cwd=str(root))
+  results["rerun"] = _run(KILLABLE + flags)
+  results["plain_keras"] = _result(check, start)
+  results["files_after_rerun"] = {r: event_files(model_dir, r) for r in ("train", "validation")}
+  return results

@@ -10,8 +10,11 @@ TFRecord files, interleave, shuffle(buffer, seed), a map with stateless
 augmentation, batch and prefetch; the model has dropout; TF op determinism
 is on. Env TFDP_TEST_KILL_AT=N: the process SIGKILLs itself after global step
 N (on worker TFDP_TEST_KILL_WORKER, default every worker); TFDP_TEST_ASYNC=1
-saves in the background. CPU_REPLICAS 1 without TF_CONFIG: no strategy. Writes each
-worker's final weights to OUT_ROOT/MODE/weights-<worker>.npy.
+saves in the background; TFDP_TEST_LOCAL_EVERY=N adds a local tier. Each of
+these set as NAME_MODE (e.g. TFDP_TEST_KILL_AT_REPEAT) applies to that mode
+only, so that one process can train several modes with other settings.
+CPU_REPLICAS 1 without TF_CONFIG: no strategy. Writes each worker's final
+weights to OUT_ROOT/MODE/weights-<worker>.npy.
 """
 
 import os
@@ -51,6 +54,11 @@ def write_records(data_dir):
   return paths
 
 
+def setting(name, mode):
+  """Env NAME_MODE for `mode`, else NAME (None if neither is set)."""
+  return os.environ.get(f"{name}_{mode.upper()}", os.environ.get(name))
+
+
 def parse(record):
   e = tf.io.parse_single_example(record, {"x": tf.io.FixedLenFeature([8], tf.float32),
                                           "y": tf.io.FixedLenFeature([], tf.int64)})
@@ -78,12 +86,13 @@ def make_dataset(paths, mode):
 class KillAt(keras.callbacks.Callback):
   """SIGKILLs this process after global step $TFDP_TEST_KILL_AT (after its callbacks' saves)."""
 
-  def __init__(self, worker):
+  def __init__(self, worker, mode):
     super().__init__()
     self.worker = worker
+    self.mode = mode
 
   def on_train_batch_end(self, batch, logs=None):
-    at = int(os.environ.get("TFDP_TEST_KILL_AT", "-1"))
+    at = int(setting("TFDP_TEST_KILL_AT", self.mode) or "-1")
     who = os.environ.get("TFDP_TEST_KILL_WORKER")
     if at == int(self.model.optimizer.iterations.numpy()) and who in (None, str(self.worker)):
       # A moment later: the background local save of the step before has landed.
@@ -99,12 +108,12 @@ def train(out_dir, mode, strategy, worker):
                               keras.layers.Dropout(0.3), keras.layers.Dense(2)])
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  local_every = os.environ.get("TFDP_TEST_LOCAL_EVERY")
+  local_every = setting("TFDP_TEST_LOCAL_EVERY", mode)
   backup = tfdp.callbacks.BackupAndRestore(
       os.path.join(out_dir, "backup"), save_freq=3,
-      async_save=os.environ.get("TFDP_TEST_ASYNC") == "1",
+      async_save=setting("TFDP_TEST_ASYNC", mode) == "1",
       local_checkpoint_every_steps=int(local_every) if local_every else None)
-  callbacks = [backup, KillAt(worker)]
+  callbacks = [backup, KillAt(worker, mode)]
   if mode in ("arrays", "source"):
     x, y = zip(*make_dataset(paths, "finite").unbatch().as_numpy_iterator())
     x, y = np.stack(x), np.array(y)

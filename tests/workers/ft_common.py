@@ -18,8 +18,9 @@ TRAIN_FLAGS = ["--strategy=multi_worker", "--model=cnn", "--dataset=synthetic",
                "--checkpoint_every_steps=20", "--max_to_keep=3"]
 
 
-def env(**extra):
-  e = dict(os.environ)
+def env(base=None, **extra):
+  """The workers' environment: `base` (default: this process's), the repo on PYTHONPATH, `extra`."""
+  e = dict(os.environ if base is None else base)
   e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
   e["TF_CPP_MIN_LOG_LEVEL"] = "2"
   for k in ("TF_CONFIG", "FT_CHAOS_PLAN", "TFDP_CKPT_TEST_CRASH_AT"):
@@ -48,17 +49,23 @@ def run_job(model_dir, log_path, flags=(), **launch_kw):
   return code, out.getvalue()
 
 
+def reference_run(root):
+  """One uninterrupted 2-worker run to STEPS in folder `root`: {"model_dir"}.
+
+  The `ft_reference` fixture of tests/conftest.py (made once per session).
+  """
+  from tests import shared  # pylint: disable=g-import-not-at-top
+  model_dir = str(root / "model")
+  # The session's environment: this may run beside a test that monkeypatches it.
+  code, out = run_job(model_dir, str(root / "log.txt"), env=env(base=shared.environ()))
+  assert code == 0, out[-5000:]
+  return {"model_dir": model_dir}
+
+
 def reference(tmp_path_factory):
-  """model_dir of one uninterrupted 2-worker run to STEPS (made once per session)."""
-  root = tmp_path_factory.getbasetemp() / "ft-reference"
-  model_dir = root / "model"
-  done = root / "done"
-  if not done.exists():
-    root.mkdir(exist_ok=True)
-    code, out = run_job(str(model_dir), str(root / "log.txt"))
-    assert code == 0, out[-5000:]
-    done.write_text("ok")
-  return str(model_dir)
+  """model_dir of `reference_run`, made once per session (tests/shared.py)."""
+  from tests import shared  # pylint: disable=g-import-not-at-top
+  return shared.once_per_session(tmp_path_factory, "ft_reference", reference_run)["model_dir"]
 
 
 def final_weights(model_dir, step=STEPS):
