@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from tfdp import cluster
 from tfdp import errors
 from tfdp import heartbeat
 from tfdp import launch
