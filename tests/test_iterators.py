@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tfdp import errors
 from tfdp import iterators
+from tfdp import iterator_state
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,6 @@ def test_python_state_and_symbolic_under_two_replicas_are_refused(strategy):
 
 
 def test_nondeterministic_orders_are_named():
-  assert iterators.nondeterminism(_pipeline()) == []
+  assert iterator_state.nondeterminism(_pipeline()) == []
   parallel = tf.data.Dataset.range(5).map(lambda x: x, num_parallel_calls=2, deterministic=False)
-  assert iterators.nondeterminism(parallel) == ["ParallelMapDatasetV2 has deterministic=False"]
+  assert iterator_state.nondeterminism(parallel) == ["ParallelMapDatasetV2 has deterministic=False"]

@@ -17,89 +17,18 @@ state, interleave cycle and prefetched elements) is the exact data position.
 
 from __future__ import annotations
 
-import re
 import threading
 from absl import logging
 import tensorflow as tf
-from tensorflow.core.framework import graph_pb2
 from tensorflow.python.data.ops import iterator_ops
 from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.framework import ops
-from tensorflow.python.ops import gen_dataset_ops
 from tensorflow.python.trackable import base as trackable_base
 
 from tfdp import errors
+from tfdp import iterator_state
 
-
-
-# Ops whose state lives in Python (from_generator, py_function): a saved
-# position would not hold it, so such a pipeline is not saved at all.
-_PYTHON_STATE = ("PyFunc", "EagerPyFunc", "generator")
-
-
-def _capture(resource, dataset) -> tf.Tensor:
-  """The iterator's position as the variant tensor tf.data's SerializeIterator returns.
-
-  A snapshot: it holds the buffered elements by reference (tf.data never
-  changes them), so the iterator may run on while something else turns it
-  into bytes (`tf.io.serialize_tensor`, on a checkpoint's writer thread:
-  tfdp.checkpoint.items.writable).
-  """
-  policy = dataset.external_state_policy if dataset is not None else (
-      options_lib.ExternalStatePolicy.FAIL)
-  try:
-    return gen_dataset_ops.serialize_iterator(resource, policy.value)
-  except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
-    reason = re.sub(r"\{\{.*?\}\}\s*", "", e.message.splitlines()[-1]).split(" [Op:")[0].rstrip(".")
-    if "symbolic checkpointing" in e.message:
-      raise errors.CheckpointError(
-          f"the input pipeline cannot be saved: {reason}. Turn "
-          "tf.data.Options().experimental_symbolic_checkpoint off (tf.distribute "
-          "rebatches the input for more than one replica with RebatchDatasetV2, "
-          "which does not support it).") from None
-    if "stateful" not in e.message or any(op in e.message for op in _PYTHON_STATE):
-      raise errors.CheckpointError(
-          f"the input pipeline cannot be saved: {reason}. A transformation keeps "
-          "its state in Python (from_generator, py_function) or elsewhere tf.data "
-          "cannot serialize.") from None
-    # A stateful op such as tf.image.random_flip_*: the position is saved
-    # exactly, that op's random state is not.
-    if dataset is not None and not getattr(dataset, "_warned_stateful", False):
-      dataset._warned_stateful = True  # pylint: disable=protected-access
-      logging.warning(
-          "tfdp: %s; saving the data position without that op's random state, so "
-          "after a resume its random numbers differ from an uninterrupted run's. "
-          "For a bitwise resume use tf.random.stateless_* ops seeded from the "
-          "element, or set tf.data.Options().experimental_external_state_policy.",
-          reason)
-    return gen_dataset_ops.serialize_iterator(
-        resource, options_lib.ExternalStatePolicy.IGNORE.value)
-
-
-def _serialize(resource, dataset) -> tf.Tensor:
-  return tf.io.serialize_tensor(_capture(resource, dataset))
-
-
-def _restore(resource, state: tf.Tensor) -> None:
-  """Moves the iterator to `state`: a captured variant, or its bytes (a string tensor)."""
-  if state.dtype == tf.variant:
-    gen_dataset_ops.deserialize_iterator(resource, state)
-  else:
-    _deserialize(resource, state.numpy())
-
-
-def _take(iterator, n: int) -> None:
-  """Takes `n` elements from a tf.data iterator (fewer when it ends), replaying a position."""
-  for _ in range(n):
-    try:
-      iterator.get_next()
-    except (tf.errors.OutOfRangeError, StopIteration):
-      return
-
-
-def _deserialize(resource, state: bytes) -> None:
-  gen_dataset_ops.deserialize_iterator(resource, tf.io.parse_tensor(state, tf.variant))
 
 
 class _HostFedWorkerIterator(input_lib._SingleWorkerOwnedDatasetIterator):  # pylint: disable=protected-access
@@ -217,16 +146,16 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
   def state_tensor(self) -> tf.Tensor:
     """`state()` as a string tensor (no copy to Python)."""
     (resource,) = self._resources()
-    return _serialize(resource, self._dataset)
+    return iterator_state.serialize(resource, self._dataset)
 
   def state_variant(self) -> tf.Tensor:
-    """This worker's position as a variant snapshot, not yet bytes (see `_capture`)."""
+    """This worker's position as a variant snapshot, not yet bytes (see `iterator_state.capture`)."""
     (resource,) = self._resources()
-    return _capture(resource, self._dataset)
+    return iterator_state.capture(resource, self._dataset)
 
   def restore_state(self, state: bytes) -> None:
     """Moves this worker's iterator to a position `state()` returned."""
-    _deserialize(self._resource_of(), state)
+    iterator_state.deserialize(self._resource_of(), state)
 
   def _resource_of(self):
     (resource,) = self._resources()
@@ -235,7 +164,7 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
   def skip_steps(self, steps: int) -> None:
     """Takes what `steps` training steps take from this worker's iterator (one element per local replica)."""
     (worker,) = self._iterators
-    _take(worker._iterator, steps * len(worker._devices))  # pylint: disable=protected-access
+    iterator_state.take(worker._iterator, steps * len(worker._devices))  # pylint: disable=protected-access
 
   def _serialize_to_tensors(self):
     # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
@@ -243,7 +172,7 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
     return {"state": self.state_variant()}
 
   def _restore_from_tensors(self, restored_tensors):
-    _restore(self._resource_of(), restored_tensors["state"])
+    iterator_state.restore(self._resource_of(), restored_tensors["state"])
     return []
 
 
@@ -380,10 +309,10 @@ class LocalIterator(iterator_ops.OwnedIterator):
     return self.state_tensor().numpy()
 
   def state_tensor(self) -> tf.Tensor:
-    return _serialize(self._iterator_resource, self._dataset)
+    return iterator_state.serialize(self._iterator_resource, self._dataset)
 
   def state_variant(self) -> tf.Tensor:
-    return _capture(self._iterator_resource, self._dataset)
+    return iterator_state.capture(self._iterator_resource, self._dataset)
 
   def _serialize_to_tensors(self):
     # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
@@ -391,18 +320,18 @@ class LocalIterator(iterator_ops.OwnedIterator):
     return {"state": self.state_variant()}
 
   def _restore_from_tensors(self, restored_tensors):
-    _restore(self._resource_of(), restored_tensors["state"])
+    iterator_state.restore(self._resource_of(), restored_tensors["state"])
     return []
 
   def restore_state(self, state: bytes) -> None:
-    _deserialize(self._iterator_resource, state)
+    iterator_state.deserialize(self._iterator_resource, state)
 
   def _resource_of(self):
     return self._iterator_resource
 
   def skip_steps(self, steps: int) -> None:
     """Takes what `steps` training steps take (one element each)."""
-    _take(self, steps)
+    iterator_state.take(self, steps)
 
 
 class LocalDataset(_MakesIterators):
@@ -414,29 +343,6 @@ class LocalDataset(_MakesIterators):
 
   def _new_iterator(self):
     return LocalIterator(self.dataset)
-
-
-_SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
-             "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2")
-
-
-def nondeterminism(dataset: tf.data.Dataset) -> list[str]:
-  """Why the pipeline's order may differ between two runs (empty: it does not)."""
-  reasons = []
-  if dataset.options().deterministic is False:
-    reasons.append("tf.data.Options().deterministic is False")
-  graph = graph_pb2.GraphDef.FromString(
-      dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
-  nodes = {n.name: n for n in graph.node}
-  for node in graph.node:
-    if "deterministic" in node.attr and node.attr["deterministic"].s == b"false":
-      reasons.append(f"{node.op} has deterministic=False")
-    if node.op in _SHUFFLES:
-      seeds = [nodes.get(name.split(":")[0]) for name in node.input[2:4]]
-      if all(n is not None and n.op == "Const" and
-             not tf.make_ndarray(n.attr["value"].tensor).any() for n in seeds):
-        reasons.append("shuffle has no seed (and no global seed was set)")
-  return sorted(set(reasons))
 
 
 def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | None = None,
@@ -477,7 +383,7 @@ def checkpointable(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy | 
                               != tf.distribute.InputReplicationMode.PER_WORKER):
     raise errors.ConfigError(
         "tfdp.data.checkpointable supports InputReplicationMode.PER_WORKER only.")
-  reasons = nondeterminism(dataset)
+  reasons = iterator_state.nondeterminism(dataset)
   if reasons:
     logging.warning(
         "tfdp: an exact resume needs a deterministic input order, but %s; the "
