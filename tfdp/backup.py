@@ -303,6 +303,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def on_epoch_begin(self, epoch, logs=None):
     step = state_lib.global_step(self.model)
+    self.position.epoch_begin(epoch)
     if self._spanning is not None:
       self.position.epoch_first_step = epoch * self._spanning
     else:
@@ -311,6 +312,9 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def on_train_batch_end(self, batch, logs=None):
     step = state_lib.global_step(self.model)
+    # The step is done: counted before its saves, so a crash inside one
+    # counts it as reached (and recomputed after the restart).
+    self._goodput.step(step)
     self.position.batch_end(step)
     self._save_if(self._cadence, step, advance=True)
     if self.manager.local_due(step):
@@ -318,7 +322,6 @@ class BackupAndRestore(keras.callbacks.Callback):
       self.manager.save_local(step)
       self._goodput.blocked(time.perf_counter() - start, "local")
       self._goodput.interval(self.manager.local_interval)
-    self._goodput.step(step)
     if self._preemption is not None:
       self._preemption.on_train_batch_end(batch, logs)
 

@@ -116,6 +116,10 @@ class Position:
                   step_in_epoch=in_epoch if in_epoch >= 0 else None, data=self.data.restored,
                   topology=tuple(int(v) for v in self.topology.numpy()), tier=tier)
 
+  def epoch_begin(self, epoch: int) -> None:
+    """Epoch `epoch` (0-based: the epochs completed) begins: a backup in it knows its epoch."""
+    self.epoch.assign(epoch)
+
   def batch_end(self, step: int) -> None:
     self.step_in_epoch.assign(step - self.epoch_first_step)
 

@@ -8,6 +8,12 @@ sharded save (tfdp.checkpoint.faults.PHASES), through the fault hook.
 With "wipe": "own" (or "all"), the worker first deletes its own local
 checkpoint tier (or every worker's: the whole --local_checkpoint_dir), as a
 replaced host (or a reboot of every host) would lose it.
+
+A step kill fires in the main thread at the end of step s, after the
+callbacks (its saves started); every worker also records, at each step's
+end before the callbacks, the step it restored and the step it reached into
+FT_REACHED_DIR/ATTEMPT-WORKER ("RESTORED REACHED"), so a test can count the
+steps recomputed without tfdp's own bookkeeping.
 """
 
 import json
@@ -15,8 +21,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
-import time
 
 
 def _wipe(what, me):
@@ -28,23 +32,27 @@ def _wipe(what, me):
   print(f"ft_train: wiped {path}", flush=True)
 
 
-def _kill_at_step(step, wipe=None, me=0):
-  path = os.environ["TFDP_HEARTBEAT_FILE"]
+def _watch_steps(attempt, me, kill_step=None, wipe=None):
+  """Wraps BackupAndRestore's batch end: records the steps, SIGKILLs at `kill_step`."""
+  from tfdp import backup  # pylint: disable=g-import-not-at-top
+  folder = os.environ.get("FT_REACHED_DIR")
+  fd = None
+  if folder:
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, f"{attempt}-{me}"), os.O_WRONLY | os.O_CREAT, 0o644)
+  original = backup.BackupAndRestore.on_train_batch_end
 
-  def watch():
-    while True:
-      try:
-        with open(path, encoding="utf-8") as f:
-          now = int(f.read().split()[0])
-      except (OSError, ValueError, IndexError):
-        now = -1
-      if now >= step:
-        _wipe(wipe, me)
-        print(f"ft_train: SIGKILL at step {now}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-      time.sleep(0.01)
+  def on_train_batch_end(self, batch, logs=None):
+    step = int(self.model.optimizer.iterations.numpy())
+    if fd is not None:  # fixed width: each write replaces the last
+      os.pwrite(fd, f"{self.restored_step or 0:>12} {step:>12}\n".encode(), 0)
+    original(self, batch, logs)
+    if kill_step is not None and step >= kill_step:
+      _wipe(wipe, me)
+      print(f"ft_train: SIGKILL at step {step}", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
 
-  threading.Thread(target=watch, daemon=True).start()
+  backup.BackupAndRestore.on_train_batch_end = on_train_batch_end
 
 
 def _kill_at_phase(phase, me):
@@ -60,13 +68,13 @@ def _kill_at_phase(phase, me):
 
 def main():
   plan = json.loads(os.environ.get("FT_CHAOS_PLAN") or "{}")
-  event = plan.get(os.environ.get("TFDP_RESTART_COUNT", "0"))
+  attempt = os.environ.get("TFDP_RESTART_COUNT", "0")
+  event = plan.get(attempt)
   me = int(os.environ.get("TFDP_WORKER_INDEX", "0"))
-  if event and event["worker"] == me:
-    if "phase" in event:
-      _kill_at_phase(event["phase"], me)
-    else:
-      _kill_at_step(event["step"], event.get("wipe"), me)
+  step_event = event if event and event["worker"] == me and "step" in event else {}
+  _watch_steps(attempt, me, step_event.get("step"), step_event.get("wipe"))
+  if event and event["worker"] == me and "phase" in event:
+    _kill_at_phase(event["phase"], me)
   from tfdp.cli import train  # pylint: disable=g-import-not-at-top
   sys.argv = ["tfdp-train"] + sys.argv[1:]
   train.run()
