@@ -9,7 +9,8 @@ tfdp.data source, tfdp.data.distribute, under plain fit). The pipeline is
 TFRecord files, interleave, shuffle(buffer, seed), a map with stateless
 augmentation, batch and prefetch; the model has dropout; TF op determinism
 is on. Env TFDP_TEST_KILL_AT=N: the process SIGKILLs itself after global step
-N (on worker TFDP_TEST_KILL_WORKER, default every worker); TFDP_TEST_ASYNC=1
+N (on worker TFDP_TEST_KILL_WORKER, default every worker), having deleted its
+local tier first with TFDP_TEST_WIPE_LOCAL=1 (a replaced host); TFDP_TEST_ASYNC=1
 saves in the background; TFDP_TEST_LOCAL_EVERY=N adds a local tier. Each of
 these set as NAME_MODE (e.g. TFDP_TEST_KILL_AT_REPEAT) applies to that mode
 only, so that one process can train several modes with other settings.
@@ -18,6 +19,7 @@ weights to OUT_ROOT/MODE/weights-<worker>.npy.
 """
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -86,10 +88,11 @@ def make_dataset(paths, mode):
 class KillAt(keras.callbacks.Callback):
   """SIGKILLs this process after global step $TFDP_TEST_KILL_AT (after its callbacks' saves)."""
 
-  def __init__(self, worker, mode):
+  def __init__(self, worker, mode, backup_dir):
     super().__init__()
     self.worker = worker
     self.mode = mode
+    self.backup_dir = backup_dir
 
   def on_train_batch_end(self, batch, logs=None):
     at = int(setting("TFDP_TEST_KILL_AT", self.mode) or "-1")
@@ -97,6 +100,10 @@ class KillAt(keras.callbacks.Callback):
     if at == int(self.model.optimizer.iterations.numpy()) and who in (None, str(self.worker)):
       # A moment later: the background local save of the step before has landed.
       time.sleep(float(os.environ.get("TFDP_TEST_KILL_DELAY", "0")))
+      if os.environ.get("TFDP_TEST_WIPE_LOCAL") == "1":  # this host's RAM tier is gone
+        from tfdp.checkpoint import layout  # pylint: disable=g-import-not-at-top
+        shutil.rmtree(layout.local_worker_dir(layout.default_local_root(self.backup_dir),
+                                              self.worker))
       os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -109,11 +116,12 @@ def train(out_dir, mode, strategy, worker):
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   local_every = setting("TFDP_TEST_LOCAL_EVERY", mode)
+  backup_dir = os.path.join(out_dir, "backup")
   backup = tfdp.callbacks.BackupAndRestore(
-      os.path.join(out_dir, "backup"), save_freq=3,
+      backup_dir, save_freq=3,
       async_save=setting("TFDP_TEST_ASYNC", mode) == "1",
       local_checkpoint_every_steps=int(local_every) if local_every else None)
-  callbacks = [backup, KillAt(worker, mode)]
+  callbacks = [backup, KillAt(worker, mode, backup_dir)]
   if mode in ("arrays", "source"):
     x, y = zip(*make_dataset(paths, "finite").unbatch().as_numpy_iterator())
     x, y = np.stack(x), np.array(y)
