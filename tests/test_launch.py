@@ -403,6 +403,7 @@ def test_the_launcher_process_never_imports_tensorflow():
 _IMPORTS = {
     "import tfdp.launch": False,
     "import tfdp; tfdp.errors; from tfdp import errors, launch; import tfdp.launch.procs": False,
+    "from tfdp.cli import ckpt": False,
     "import tfdp; tfdp.make_strategy": True,
     "from tfdp import callbacks": True,
     "import tfdp.callbacks": True,

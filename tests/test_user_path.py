@@ -1,5 +1,6 @@
 """The user's own code under tfdp-launch with 2 real workers: a converted Keras script killed with SIGKILL and rerun."""
 
+import difflib
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from tests.resume_run import committed_steps
 
 SCRIPT = os.path.join(WORKERS, "keras_converted.py")
 LOOP = os.path.join(WORKERS, "custom_loop.py")
+EXAMPLES = os.path.join(REPO, "scripts", "examples")
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +58,7 @@ def _kill_a_worker_after(proc, model_dir, step):
   os.kill(max(workers), signal.SIGKILL)  # a worker dies as on a lost host
   out = proc.communicate(timeout=120)[0].decode("utf-8", errors="replace")
   assert proc.returncode != 0, out[-3000:]
+  return out
 
 
 CONVERTED = [("epoch", "1", "1"), ("5", "0", "0")]
@@ -149,3 +152,47 @@ def test_custom_loop_survives_a_kill_inside_a_save_and_mid_run_bitwise(custom_lo
   assert len(ref.files) == len(res.files) > 4
   for k in ref.files:
     assert ref[k].tobytes() == res[k].tobytes(), k
+
+
+@shared_run("example_runs")
+def example_runs(root):
+  """The README's example (a tf.data pipeline built before the model) as the README runs it.
+
+  Under tfdp-launch on 2 workers, worker 1 SIGKILLed once the first epoch's
+  backup is committed, then the same command again. Returns
+  {"backup", "killed": output, "rerun": [exit code, output]}.
+  """
+  backup = str(root / "backup")
+  args = ["--epochs=3", "--num_examples=4096", f"--backup_dir={backup}"]
+  script = os.path.join(EXAMPLES, "keras_tfdp.py")
+  killed = _kill_a_worker_after(_launch(args, script=script), backup, 1)
+  proc = _launch(args, script=script)
+  out = proc.communicate(timeout=300)[0].decode("utf-8", errors="replace")
+  return {"backup": backup, "killed": killed, "rerun": [proc.returncode, out]}
+
+
+def test_readme_example_changes_five_lines_and_resumes_under_tfdp_launch(example_runs):
+  """The README's diff applied to keras_plain.py, run, killed and rerun: the user sees the resume."""
+  def lines(name):
+    with open(os.path.join(EXAMPLES, name), encoding="utf-8") as f:
+      return f.read().splitlines()[1:]
+  changed = [l for l in difflib.unified_diff(lines("keras_plain.py"), lines("keras_tfdp.py"),
+                                             lineterm="", n=0)
+             if l[:1] in "+-" and not l.startswith(("+++", "---"))]
+  assert len([l for l in changed if l.startswith("+")]) == 5, changed  # 3 new, 2 edited
+  killed = example_runs["killed"]
+  assert "[tfdp-launch] worker 1 was killed by SIGKILL" in killed, killed[-3000:]
+  code, out = example_runs["rerun"]
+  assert code == 0, out[-4000:]
+  backup = example_runs["backup"]
+  # The chief's first line says what it restored: an epoch's backup (save_freq="epoch").
+  resumed = re.findall(r"^\[worker 0\] tfdp: resumed from (\S+)/ckpt-(\d+) at step (\d+) "
+                       r"\(epoch ([23]); data position restored\)$", out, re.M)
+  assert len(resumed) == 1, out[-4000:]
+  where, ckpt, step, epoch = resumed[0]
+  assert where == backup and ckpt == step and int(step) == (int(epoch) - 1) * 56, resumed
+  assert "[worker 1] tfdp: resumed" not in out  # the chief only
+  assert f"[worker 0] Epoch {epoch}/3" in out and "[worker 0] Epoch 1/3" not in out, out[-4000:]
+  goodput = [l for l in out.splitlines() if re.match(r"\[(tfdp-launch|worker 0)\] (tfdp: )?goodput ", l)]
+  assert len(goodput) == 1 and ": 1 restart (" in goodput[0], out[-4000:]
+  assert not os.path.exists(backup)  # delete_checkpoint=True, as Keras's default
