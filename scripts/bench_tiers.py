@@ -58,6 +58,10 @@ flags.DEFINE_list("fit_variants", list(_FIT_VARIANTS), "Throughput variants to r
 flags.DEFINE_list("local_every", ["1", "5", "auto"], "Intervals of the local variants "
                   "(local and local_no_position run once per interval).")
 flags.DEFINE_float("overhead", 0.02, "checkpoint_overhead of the 'auto' local variant.")
+flags.DEFINE_enum("fit_setup", "conv", ["conv", "mirrored"], "Throughput part's script: a small "
+                  "conv net with no strategy and ~4 MB of state (conv), or the user's own "
+                  "MirroredStrategy over 2 logical CPUs, an MLP with 16 MB of state and "
+                  "shuffle(2048) of decoded uint8 images, a data position of ~6 MB (mirrored).")
 flags.DEFINE_list("restore_mb", ["256", "1024"], "State sizes of the restore part.")
 flags.DEFINE_integer("restore_reps", 2, "Restores per tier and size.")
 flags.DEFINE_list("peer_mb", ["256", "1024"], "State sizes of the peer part.")
@@ -93,20 +97,36 @@ def _fit_child():
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfdp  # pylint: disable=g-import-not-at-top
-  keras.utils.set_random_seed(0)
-  # A small conv net: steps of tens of ms on 2 cores and ~4 MB of state with
-  # Adam's slots, so a save copies a few MB, as a small real model does.
-  model = keras.Sequential([
-      keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
-      keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"),
-      keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-      keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
-  model.compile(optimizer="adam",
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(1024, 32, 32, 3)).astype("float32")
-  y = rng.integers(0, 10, size=1024)
-  ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(_BATCH).prefetch(2)
+  if FLAGS.fit_setup == "mirrored":
+    # As a user sets it up: two logical CPUs, their own MirroredStrategy.
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    images = rng.integers(0, 256, size=(4096, 32, 32, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=4096)
+    ds = (tf.data.Dataset.from_tensor_slices((images, labels)).repeat().shuffle(2048, seed=1)
+          .map(lambda x, y: (tf.cast(x, tf.float32) / 255.0, y)).batch(64).prefetch(2))
+    keras.utils.set_random_seed(0)
+    with strategy.scope():  # 1.38M parameters: 16 MB with Adam's two slots
+      model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(),
+                                keras.layers.Dense(448, activation="relu"), keras.layers.Dense(10)])
+      model.compile(optimizer="adam",
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  else:
+    keras.utils.set_random_seed(0)
+    # A small conv net: steps of tens of ms on 2 cores and ~4 MB of state with
+    # Adam's slots, so a save copies a few MB, as a small real model does.
+    model = keras.Sequential([
+        keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = rng.normal(size=(1024, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=1024)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(_BATCH).prefetch(2)
   stamps = bench_common.step_stamps_callback()
   callbacks = [stamps]
   backup = None
@@ -296,7 +316,8 @@ def _write(obj, per_worker=False):
 
 def _cmd(role, result, work, **extra):
   cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}", f"--result={result}",
-         f"--work={work}", f"--local_root={FLAGS.local_root}", f"--fit_steps={FLAGS.fit_steps}"]
+         f"--work={work}", f"--local_root={FLAGS.local_root}", f"--fit_steps={FLAGS.fit_steps}",
+         f"--fit_setup={FLAGS.fit_setup}"]
   return cmd + [f"--{k}={v}" for k, v in extra.items()]
 
 
@@ -394,7 +415,10 @@ def _throughput_part(base, log):
            "interval": " ".join(str(i) for i in interval[n] if i is not None) or "-",
            "skipped": " ".join(str(k) for k in skipped[n] if k is not None) or "-",
            "runs": " ".join(f"{x:.1f}" for x in rates[n])} for n in names]
-  print(f"\nthroughput: plain model.fit, conv net, batch {_BATCH}, "
+  setup = ("the user's own MirroredStrategy over 2 logical CPUs, MLP, batch 64, "
+           "shuffle(2048) of uint8 images" if FLAGS.fit_setup == "mirrored" else
+           f"conv net, no strategy, batch {_BATCH}")
+  print(f"\nthroughput: plain model.fit, {setup}, "
         f"{state / _MB:.1f} MB of state, {FLAGS.fit_steps} steps a run, persistent saves "
         f"every {_SAVE_EVERY} steps, local saves every N = {', '.join(FLAGS.local_every)} "
         f"('auto': budget {FLAGS.overhead:.0%}), median of {FLAGS.rounds} interleaved runs")
@@ -410,7 +434,8 @@ def _throughput_part(base, log):
              for n, g in goals.items() if n in med}
   print("; ".join(f"{n}/none {t['ratio']:.3f} (target >= {t['min']}: "
                   f"{'MET' if t['met'] else 'MISSED'})" for n, t in targets.items()))
-  return {"rows": rows, "runs": rates, "state_bytes": state, "local_saves_skipped": skipped,
+  return {"setup": FLAGS.fit_setup, "rows": rows, "runs": rates, "state_bytes": state,
+          "local_saves_skipped": skipped,
           "local_interval": interval, "targets": targets}
 
 
