@@ -56,7 +56,11 @@ def shared_run(name):
       return once_per_session(tmp_path_factory, name, make)
 
     maker.name = name
-    _MAKERS.setdefault(name, maker)
+    # By file: pytest may import conftest.py twice, as conftest and tests.conftest.
+    maker.made_by = f"{os.path.abspath(make.__code__.co_filename)}:{make.__qualname__}"
+    other = _MAKERS.setdefault(name, maker)
+    if other.made_by != maker.made_by:  # one basetemp folder and fixture name each
+      raise ValueError(f"shared run {name!r} is made by both {other.made_by} and {maker.made_by}")
 
     @pytest.fixture(scope="session", name=name)
     def fixture(tmp_path_factory):

@@ -154,8 +154,8 @@ def test_custom_loop_survives_a_kill_inside_a_save_and_mid_run_bitwise(custom_lo
     assert ref[k].tobytes() == res[k].tobytes(), k
 
 
-@shared_run("example_runs")
-def example_runs(root):
+@shared_run("keras_example_runs")
+def keras_example_runs(root):
   """The README's example (a tf.data pipeline built before the model) as the README runs it.
 
   Under tfdp-launch on 2 workers, worker 1 SIGKILLed once the first epoch's
@@ -171,7 +171,8 @@ def example_runs(root):
   return {"backup": backup, "killed": killed, "rerun": [proc.returncode, out]}
 
 
-def test_readme_example_changes_five_lines_and_resumes_under_tfdp_launch(example_runs):
+def test_readme_example_changes_five_lines_and_resumes_under_tfdp_launch(keras_example_runs):
+  example_runs = keras_example_runs
   """The README's diff applied to keras_plain.py, run, killed and rerun: the user sees the resume."""
   def lines(name):
     with open(os.path.join(EXAMPLES, name), encoding="utf-8") as f:
