@@ -20,7 +20,7 @@ from tfdp import errors
 INDEX = int(os.environ["TFDP_WORKER_INDEX"])
 NUM_WORKERS = int(os.environ["TFDP_NUM_WORKERS"])
 
-# What TF 2.21 prints at start-up on a machine without a GPU (see tfdp.launch.output.NOISE).
+# What TF 2.21 prints at start-up on a machine without a GPU (see tfdp.launch.noise.NOISE).
 NOISE = [
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
     "I0000 00:00:1796133538.349871   {pid} cudart_stub.cc:31] Could not find cuda drivers on "

@@ -51,7 +51,7 @@ def _tf_start_up_hidden():
   TF_CPP_MIN_LOG_LEVEL, so only the process's own stderr can hold them back.
   Every other line, errors included, is written back, in order.
   """
-  from tfdp.launch import output  # pylint: disable=g-import-not-at-top
+  from tfdp.launch import noise  # pylint: disable=g-import-not-at-top
   sys.stderr.flush()
   try:
     saved = os.dup(2)
@@ -69,7 +69,7 @@ def _tf_start_up_hidden():
       held.seek(0)
       kind = None
       for line in held.read().decode("utf-8", errors="replace").splitlines():
-        kind = output.noise_kind(kind, line)
+        kind = noise.noise_kind(kind, line)
         if kind is None:
           sys.stderr.write(line + "\n")
       sys.stderr.flush()

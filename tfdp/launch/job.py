@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Sequence, TextIO
 
 from tfdp import errors
 from tfdp import goodput
-from tfdp.launch import output
+from tfdp.launch import noise
 from tfdp.launch import procs
 from tfdp.launch import signals
 from tfdp.launch.slots import Slots
@@ -254,7 +254,7 @@ class _Job:
         hosts=o.hosts, wrapper=o.wrapper, attempt=attempt,
         hang_timeout=o.hang_timeout, startup_timeout=o.startup_timeout,
         heartbeat_dir=heartbeat_dir,
-        show_all=o.verbose_workers or output.show_tf_logs())
+        show_all=o.verbose_workers or noise.show_tf_logs())
     if attempt:
       self.log(f"attempt {attempt + 1}: starting {group.num_workers} worker(s) "
                f"(slots {group.slots}) at {', '.join(group.cluster['worker'])}.")

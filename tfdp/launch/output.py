@@ -1,17 +1,15 @@
 """The launcher's output: its own log and every worker's lines, prefixed, on one stream; TF noise held back, errors once."""
 
 import codecs
-import os
 import queue
 import re
 import shutil
 import sys
 import threading
 import time
-from typing import Mapping, NamedTuple, Optional, Sequence, TextIO
+from typing import Optional, Sequence, TextIO
 
-# Set to 1 (or pass --verbose_workers) to see every worker line as it comes.
-ENV_SHOW_TF_LOGS = "TFDP_SHOW_TF_LOGS"
+from tfdp.launch.noise import ABSL as _ABSL, ENV_SHOW_TF_LOGS, noise_kind
 
 # A line that repeats one another worker printed is held this long at most,
 # waiting to see whether its worker fails (then it is not printed again).
@@ -25,90 +23,12 @@ BLOCK_HOLD_SECONDS = 5.0
 BAR_SECONDS_TTY = 0.25
 BAR_SECONDS_FILE = 1.0
 
+# Errors a worker gets because another one is gone (its collectives abort): a
+# consequence of the blamed failure, not a failure of its own.
+CONSEQUENCES = ("UnavailableError", "AbortedError", "CancelledError", "DeadlineExceededError")
+
 # Lines seen per attempt, to recognise a repeat; older ones are forgotten.
 _SEEN_KEPT = 4096
-
-# absl's prefix, as TF's C++ writes it (I0000 00:00:1796133538.349871   25316 f.cc:31])
-# and as Python's absl writes it (W1201 14:02:15.351870 140258832587648 f.py:234]).
-_ABSL = r"{levels}\d{{4}} [\d:.]+ +\d+ "
-
-
-class Noise(NamedTuple):
-  """A known kind of TF/gRPC log line that says nothing when the job succeeds.
-
-  `line` must match the whole line; `continued` matches the lines that
-  continue such a record (TF writes some records over several lines), held
-  only right after one.
-  """
-  name: str
-  line: "re.Pattern[str]"
-  continued: Optional["re.Pattern[str]"] = None
-
-
-def _noise(name, line, continued=None):
-  return Noise(name, re.compile(line), re.compile(continued) if continued else None)
-
-
-# Every worker writes these on a healthy run; they are counted when one fails.
-# Each matches one exact message, except TF's C++ INFO lines, which never
-# report an error.
-NOISE = (
-    # Printed by every TF process before TF_CPP_MIN_LOG_LEVEL is read.
-    _noise("absl-preinit", r"WARNING: All log messages before absl::InitializeLog\(\) "
-                           r"is called are written to STDERR"),
-    # A machine without a CUDA driver: TF says so, then cuInit fails with
-    # CUDA_ERROR_SHARED_OBJECT_INIT_FAILED (303, no libcuda). A driver that is
-    # there but broken fails with another code, which is shown.
-    _noise("no-cuda-driver", _ABSL.format(levels="I") + r"cudart_stub\.cc:\d+\] Could not "
-           r"find cuda drivers on your machine, GPU will not be used\."),
-    _noise("cuinit-no-driver", _ABSL.format(levels="E") + r"cuda_platform\.cc:\d+\] failed "
-           r"call to cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR \(303\)"),
-    # TF's C++ INFO lines (TF_CPP_MIN_LOG_LEVEL=0): CPU features, the gRPC
-    # server, the coordination service connecting its tasks.
-    _noise("tf-cpp-info", _ABSL.format(levels="I") + r"[\w.-]+\.(?:cc|h):\d+\] .*",
-           continued=r"To enable the following instructions: [\w ,.]+ in other operations, "
-                     r"rebuild TensorFlow with the appropriate compiler flags\."
-                     r"|/job:\w+/replica:\d+/task:\d+"),
-    # tf.data about Python generators, on every Keras fit of NumPy arrays.
-    _noise("dataset-not-optimized", _ABSL.format(levels="W") + r"dataset\.cc:\d+\] Input of "
-           r"GeneratorDatasetOp::Dataset will not be optimized because the dataset does not "
-           r"implement the AsGraphDefInternal\(\) method needed to apply optimizations\."),
-    # A peer that is gone at the end of a finished run: a worker whose chief
-    # (the coordination service) has exited, or the chief after a worker
-    # stopped sending heartbeats. Mid-run the same lines come with a failure.
-    _noise("start-abort-unavailable", _ABSL.format(levels="E") + r"base_collective_executor"
-           r"\.cc:\d+\] BaseCollectiveExecutor::StartAbort UNAVAILABLE: (?:Failed to send RPC "
-           r"to coordination service\.|Error reported from /job:\S+: The following tasks are "
-           r"unhealthy \(stopped sending heartbeats\):).*",
-           continued=r"/job:\w+/replica:\d+/task:\d+"
-                     r"|The tasks have crashed\. Check the task logs for an earlier error.*"
-                     r"|Additional GRPC error information from remote target /job:\S+ while "
-                     r"calling /tensorflow\.CoordinationService/\w+:"
-                     r"|:UNKNOWN:Error received from peer .*"),
-    # tf.train.Checkpoint, when a checkpoint holds more than what restored it
-    # (e.g. optimizer slots when only weights are restored). What a restore
-    # left unset ("An attribute in the restored object could not be found")
-    # is not in the list.
-    _noise("checkpoint-unused-values",
-           r"(?:" + _ABSL.format(levels="W") + r"checkpoint\.py:\d+\] |WARNING:tensorflow:)"
-           r"(?:Detecting that an object or model or tf\.train\.Checkpoint is being deleted "
-           r"with unrestored values\..*"
-           r"|Value in checkpoint could not be found in the restored object: \S+)"),
-)
-
-
-def noise_kind(previous: Optional[Noise], text: str) -> Optional[Noise]:
-  """The Noise that line `text` is, given that of the line before it (None: not noise)."""
-  if previous is not None and previous.continued and previous.continued.fullmatch(text):
-    return previous
-  return next((noise for noise in NOISE if noise.line.fullmatch(text)), None)
-
-
-def show_tf_logs(env: Optional[Mapping[str, str]] = None) -> bool:
-  """True when ENV_SHOW_TF_LOGS asks for every worker line (anything but unset, '', 0, false, no)."""
-  value = (os.environ if env is None else env).get(ENV_SHOW_TF_LOGS, "")
-  return value.strip().lower() not in ("", "0", "false", "no")
-
 
 # What differs between workers that print the same thing: absl's time, pid and
 # thread; the worker's own index and address; random temp names and object
@@ -292,6 +212,7 @@ class _Worker:
     self.in_traceback = False
     self.error = None           # the message of its last error
     self.fatal = None           # its last absl FATAL line
+    self.after = []             # its lines after another worker failed the group, held
 
   def track(self, text):
     """Notes the error that `text` ends, if any."""
@@ -319,6 +240,10 @@ class WorkerLines:
   - lines that repeat another worker's: printed when the worker prints a line
     of its own, after REPEAT_HOLD_SECONDS, or when it exits 0; not when it fails.
   "The same" ignores what differs between workers for one event (`same_text`).
+  - after another worker failed the group (`blame`), a worker's new lines:
+    what a lost peer does to its collectives (TF's abort logs, an
+    UnavailableError traceback) is counted in one line; an error of its own
+    is printed when the group ends.
   Worker 0's progress bar (`partial`) is forwarded as it redraws.
   """
 
@@ -332,6 +257,7 @@ class WorkerLines:
     self._seen = {}
     self._blocks_printed = {}  # the key of a printed block -> its workers
     self._finished = False
+    self._blamed = None  # the worker whose failure stopped the group
 
   def same(self, index: int, text: str) -> str:
     """`text` of worker `index` as compared with other workers' (see `same_text`)."""
@@ -362,6 +288,9 @@ class WorkerLines:
       if worker.block is not None:
         worker.block.append(text)
         return
+      if self._blamed is not None and index != self._blamed:
+        worker.after.append(text)
+        return
       if _BLOCK_START.fullmatch(text):
         worker.block, worker.block_since = [text], time.monotonic()
         return
@@ -383,6 +312,30 @@ class WorkerLines:
     """Takes a redraw (after `\\r`) of worker `index`'s current line: the chief's is forwarded."""
     if index == 0:
       self._output.bar(index, self._prefix([index]) + text)
+
+  def blame(self, index: int) -> None:
+    """Worker `index` failed the group: the others' new lines are held (see the class)."""
+    with self._output.lock:
+      self._blamed = index
+
+  def _after_the_failure(self):
+    """Prints the held lines of workers with an error of their own; counts the rest."""
+    held = {}
+    for index, worker in enumerate(self._workers):
+      if not worker.after:
+        continue
+      if worker.error and not worker.error.startswith(CONSEQUENCES):
+        for text in worker.after:
+          self._write(index, text)
+      else:
+        held[index] = len(worker.after)
+      worker.after = []
+    if held:
+      n = sum(held.values())
+      self._output.log(
+          f"{n} line{'s' if n > 1 else ''} of worker{'s' if len(held) > 1 else ''} "
+          f"{','.join(map(str, held))} after worker {self._blamed} failed held back (collectives "
+          f"aborted without it); --verbose_workers or {ENV_SHOW_TF_LOGS}=1 shows them")
 
   def closed(self, index: int) -> None:
     """Worker `index`'s output ended: a progress bar of it stays as it was."""
@@ -455,6 +408,7 @@ class WorkerLines:
         if not held:
           break
         self._print_block(min(held)[1])
+      self._after_the_failure()
       if noise:
         self._output.log(
             f"{noise} TensorFlow log line{'s' if noise > 1 else ''} held back; "

@@ -16,7 +16,7 @@ from tfdp.launch.addresses import cluster_spec
 from tfdp.launch.addresses import tf_config
 from tfdp.launch.output import Output
 from tfdp.launch.output import Pump
-from tfdp.launch.output import WorkerLines
+from tfdp.launch.output import CONSEQUENCES, WorkerLines
 
 # How long workers get to exit after SIGTERM before they are killed, when the
 # group is stopped by a signal to the launcher or a worker was preempted.
@@ -46,12 +46,6 @@ POLL_SECONDS = 0.2
 _DRAIN_SECONDS = 2.0
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-# Errors a worker gets because another one is gone (its collectives abort): a
-# consequence of the blamed failure, not a failure of its own.
-_CONSEQUENCES = ("UnavailableError", "AbortedError", "CancelledError",
-                 "DeadlineExceededError")
 
 
 def describe_exit(code: int) -> str:
@@ -411,6 +405,8 @@ class Launcher:
         if failure is not None:
           self.failed_at, self.steps_at_failure = time.time(), self.last_steps()
           self.log(f"{failure.message}; stopping the other workers.")
+          if failure.kind != "preempted":
+            self.lines.blame(failure.index)
           self.stop(grace_seconds=(
               self.grace_seconds if failure.kind == "preempted" else
               min(self.grace_seconds, FAILED_GROUP_GRACE_SECONDS)))
@@ -461,7 +457,7 @@ class Launcher:
         elif code is not None and (code < 0 or not error):  # a signal: what killed it
           error = describe_exit(code).removeprefix("was ") + (f" ({fatal})" if fatal else "")
       elif codes[i] in (None, 0, EXIT_PEER_LOST, EXIT_PREEMPTED) or (
-          error and error.startswith(_CONSEQUENCES)):
+          error and error.startswith(CONSEQUENCES)):
         continue
       if error:
         key = self.lines.same(i, error)
