@@ -69,6 +69,7 @@ not a different reduction order.
 
 import concurrent.futures
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -80,7 +81,9 @@ import pytest
 import tensorflow as tf
 
 from tfdp import iterators
+from tests import shared
 from tests.conftest import REPO, WORKERS
+from tests.shared import shared_run
 
 WORKER = os.path.join(WORKERS, "matrix_worker.py")
 PAUSE_ENV = "TFDP_MATRIX_PAUSE"
@@ -137,7 +140,8 @@ def _run(topology, command, pause):
     (exit code, output).
   """
   workers, _, victim = TOPOLOGIES[topology]
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  # The session's environment: this runs beside tests that may monkeypatch it.
+  env = shared.environ(TF_CPP_MIN_LOG_LEVEL="2")
   env.pop("TF_CONFIG", None)
   env.pop("TFDP_COMPAT_DISABLE", None)
   env.pop(PAUSE_ENV, None)
@@ -169,14 +173,15 @@ def _topology_runs(topology, root):
   runs["ref"] = _run(topology, _command(topology, ref, twins=topology == "single"), pause=False)
   runs["cut"] = _run(topology, _command(topology, cut), pause=True)
   runs["resumed"] = _run(topology, _command(topology, cut), pause=False)
-  return {"ref": ref, "cut": cut, "runs": runs}
+  return {"ref": str(ref), "cut": str(cut), "runs": runs}
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-  """Every topology's three runs: the single-host one beside the two 2-worker jobs (one after the other)."""
-  root = tmp_path_factory.mktemp("matrix")
+@shared_run("matrix")
+def matrix(root):
+  """Every topology's three runs: the single-host one beside the two 2-worker jobs (one after the other).
 
+  A shared run (tests/shared.py): started early, beside the tests before this file.
+  """
   def multi_worker():
     return {t: _topology_runs(t, root) for t in ("mw1", "mw2")}
 
@@ -191,7 +196,7 @@ def _topology(matrix, cell):
 
 
 def _result(directory, cell, worker=0):
-  return dict(np.load(directory / cell / f"result-{worker}.npz"))
+  return dict(np.load(pathlib.Path(directory) / cell / f"result-{worker}.npz"))
 
 
 def _workers(cell):
