@@ -202,7 +202,8 @@ def test_the_launcher_sums_a_restart_and_writes_goodput_json(tmp_path):
   s = json.loads((model_dir / "goodput.json").read_text())
   assert (s["restarts"], s["recomputed_steps"], s["finished"], s["final_step"]) == (1, 3, True, 20)
   first, second = s["attempts"]
-  assert first["failed"] and max(first["heartbeat_steps"]) == 13
+  # The chief's heartbeat said 13 (worker 1 may not have written one yet under load).
+  assert first["failed"] and max(s for s in first["heartbeat_steps"] if s is not None) == 13
   assert first["has_record"] and first["blocked_seconds"]["persistent"] > 0
   assert (second["restored_step"], second["restored_tier"], second["first_step"]) == (
       10, "persistent", 11)

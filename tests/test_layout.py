@@ -30,7 +30,9 @@ def test_parse_kinds_and_names():
   lay = Layout("/d", "ckpt")
   want = {"ckpt-3.index": "index", "ckpt-3.data-00000-of-00002": "data",
           "ckpt-3.manifest.json": "manifest", "ckpt-3.manifest.json.tmp-42": "manifest_tmp",
-          "ckpt-3.manifest.json.corrupt": "corrupt"}
+          "ckpt-3.manifest.json.corrupt": "corrupt",
+          "ckpt-3.data-00000-of-00001.tempstate1828745764989108356": "tf_tmp",
+          "ckpt-3.index.tempstate42": "tf_tmp"}
   for name, kind in want.items():
     parsed = lay.parse(name)
     assert (parsed.base, parsed.number, parsed.kind) == ("ckpt-3", 3, kind), name
@@ -48,3 +50,18 @@ def test_scan_and_files_of(tmp_path):
   assert catalog.scan(lay) == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
   assert sorted(os.path.basename(p) for p in catalog.files_of(lay, lay.prefix(1))) == [
       "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
+
+
+def test_cleanup_removes_what_a_killed_tf_write_left_in_a_local_tier(tmp_path):
+  """TF's SaveV2 writes `<file>.tempstate<N>` then renames it: a SIGKILL mid-write leaves one."""
+  from tfdp.checkpoint import storage  # pylint: disable=g-import-not-at-top
+  names = ["ckpt-30.data-00000-of-00001.tempstate1828745764989108356", "ckpt-29.index",
+           "ckpt-29.data-00000-of-00001", "ckpt-29.manifest.json"]
+  for name in names:
+    (tmp_path / name).write_text("x")
+  storage.cleanup(Layout(str(tmp_path), "ckpt"), private=True)
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+  # Outside a private folder a TF temp file is another writer's: it stays.
+  (tmp_path / names[0]).write_text("x")
+  storage.cleanup(Layout(str(tmp_path), "ckpt"))
+  assert (tmp_path / names[0]).exists()

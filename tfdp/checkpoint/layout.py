@@ -42,9 +42,13 @@ _WORKER_DIR = "worker-{}"
 # Inside a worker's local folder: the per-worker states it keeps of a peer.
 _PEER_DIR = "peer-{}"
 
-KINDS = ("index", "data", "manifest", "manifest_tmp", "corrupt")
+# TF's bundle writer (SaveV2) writes each file as `<file>.tempstate<random>`
+# and renames it when done: a process killed mid-write leaves one ("tf_tmp").
+TF_TMP_INFIX = ".tempstate"
+KINDS = ("index", "data", "manifest", "manifest_tmp", "corrupt", "tf_tmp")
 _KIND_RE = (r"(?P<kind>index|data-\d+-of-\d+|manifest\.json|manifest\.json"
-            + re.escape(ATOMIC_TMP_INFIX) + r"\d+|manifest\.json\.corrupt)")
+            + re.escape(ATOMIC_TMP_INFIX) + r"\d+|manifest\.json\.corrupt|(?:index|data-\d+-of-\d+)"
+            + re.escape(TF_TMP_INFIX) + r"\d+)")
 
 
 def per_worker_prefix(worker: int) -> str:
@@ -234,4 +238,5 @@ _KIND_PATTERNS = {
     "manifest": re.compile(r"manifest\.json"),
     "manifest_tmp": re.compile(r"manifest\.json" + re.escape(ATOMIC_TMP_INFIX) + r"\d+"),
     "corrupt": re.compile(r"manifest\.json\.corrupt"),
+    "tf_tmp": re.compile(r"(?:index|data-\d+-of-\d+)" + re.escape(TF_TMP_INFIX) + r"\d+"),
 }

@@ -379,7 +379,8 @@ def cleanup(layout: layout_lib.Layout, session: str | None = None,
     kinds = found[parsed.base]
     if parsed.kind == "manifest_tmp" or (
         parsed.kind in ("index", "data") and "manifest" not in kinds and
-        (private or parsed.base in torn or "corrupt" in kinds)):
+        (private or parsed.base in torn or "corrupt" in kinds)) or (
+        parsed.kind == "tf_tmp" and (private or parsed.base in torn)):
       logging.info("tfdp: removing %s (left by a save that did not commit)", fname)
       fs.remove(os.path.join(layout.directory, fname))
 
