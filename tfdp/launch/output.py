@@ -27,6 +27,9 @@ BAR_SECONDS_FILE = 1.0
 # consequence of the blamed failure, not a failure of its own.
 CONSEQUENCES = ("UnavailableError", "AbortedError", "CancelledError", "DeadlineExceededError")
 
+# How to see what a "held back" line counts.
+_SHOW_THEM = f"--verbose_workers or {ENV_SHOW_TF_LOGS}=1 shows them"
+
 # Lines seen per attempt, to recognise a repeat; older ones are forgotten.
 _SEEN_KEPT = 4096
 
@@ -335,7 +338,7 @@ class WorkerLines:
       self._output.log(
           f"{n} line{'s' if n > 1 else ''} of worker{'s' if len(held) > 1 else ''} "
           f"{','.join(map(str, held))} after worker {self._blamed} failed held back (collectives "
-          f"aborted without it); --verbose_workers or {ENV_SHOW_TF_LOGS}=1 shows them")
+          f"aborted without it); {_SHOW_THEM}")
 
   def closed(self, index: int) -> None:
     """Worker `index`'s output ended: a progress bar of it stays as it was."""
@@ -411,8 +414,7 @@ class WorkerLines:
       self._after_the_failure()
       if noise:
         self._output.log(
-            f"{noise} TensorFlow log line{'s' if noise > 1 else ''} held back; "
-            f"--verbose_workers or {ENV_SHOW_TF_LOGS}=1 shows them")
+            f"{noise} TensorFlow log line{'s' if noise > 1 else ''} held back; {_SHOW_THEM}")
 
 
 class Pump(threading.Thread):
