@@ -403,3 +403,36 @@ def test_the_goodput_line_comes_before_delete_checkpoint_removes_the_backups(tmp
   assert ", 3 steps recomputed (" in lines[0], lines[0]
   assert lines[0].endswith("[backup_dir exists: True, goodput.json exists: True]"), lines[0]
   assert not backup_dir.exists()  # delete_checkpoint=True, as Keras's default
+
+
+def test_a_worker_of_the_asking_attempt_is_not_counted_in_an_earlier_one(tmp_path, monkeypatch,
+                                                                          clock):
+  """Under tfdp-launch every worker of an attempt has its start: worker 1 may step before the chief asks."""
+  from tfdp.goodput import ledger  # pylint: disable=g-import-not-at-top
+  pid = os.getpid()
+
+  def worker(start):  # another process: its own progress file
+    monkeypatch.setattr(ledger.os, "getpid", lambda: pid + 1)
+    rec = goodput.Recorder(str(tmp_path), chief=False)
+    monkeypatch.setattr(ledger.os, "getpid", lambda: pid)
+    return rec
+
+  monkeypatch.setenv(goodput.ENV_ATTEMPT_START, "1000")
+  first = goodput.Recorder(str(tmp_path), tensorboard=False)
+  worker1 = worker(1000)
+  first.restored(None, 0.0)
+  for step in range(1, 28):
+    clock.t += 0.01
+    first.step(step)
+    worker1.step(step)
+  # The next attempt: its worker 1 is at step 35 when its chief's recorder reads the ledger.
+  monkeypatch.setenv(goodput.ENV_ATTEMPT_START, "2000")
+  clock.t = 2000.5
+  again = worker(2000)
+  for step in range(21, 36):
+    clock.t += 0.01
+    again.step(step)
+  second = goodput.Recorder(str(tmp_path), tensorboard=False)
+  (earlier,) = second.earlier
+  assert sorted(earlier["progress_steps"]) == [27, 27]
+  assert second.high_water == 27

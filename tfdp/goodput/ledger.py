@@ -203,7 +203,10 @@ class Ledger:
       `heartbeat_steps` ([]), `progress_steps` and `record`.
     """
     records = [r for r in self._records() if float(r["start"]) < until]
-    progress = _all_progress(self.folder)
+    # The asking attempt's workers (one start for all under tfdp-launch) may
+    # have stepped already: their progress is not an earlier attempt's.
+    progress = [p for p in _all_progress(self.folder)
+                if float(p["start"]) < until and not _same(p["start"], until)]
     done = [i for i, r in enumerate(records) if r.get("finished")]
     if done:
       cut = records[done[-1]]
