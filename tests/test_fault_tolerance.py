@@ -5,6 +5,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +15,8 @@ from tfdp import errors
 from tfdp import heartbeat
 from tfdp import launch
 from tfdp.checkpoint import faults
+from tests import shared
+from tests.conftest import REPO
 from tests.workers import ft_common
 
 
@@ -232,3 +236,54 @@ def test_a_worker_cut_off_from_the_coordination_leader_names_it(monkeypatch):
   line = heartbeat.describe_peer_loss(error)
   assert line.startswith("lost peer worker 0 (10.0.0.1:5), the coordination service leader: "
                          "aborted by: Deadline Exceeded"), line
+
+
+_HUNG_PEER_CHECK = r"""
+import json, os, socket, sys, threading, time
+# Task 1 of a 2-worker cluster accepts TCP connections and never answers,
+# like a process that was SIGSTOPped.
+silent = socket.socket(); silent.bind(("localhost", 0)); silent.listen(8)
+held = []
+threading.Thread(target=lambda: [held.append(silent.accept()) for _ in range(64)],
+                 daemon=True).start()
+free = socket.socket(); free.bind(("localhost", 0)); own = free.getsockname()[1]; free.close()
+import tensorflow as tf
+from tensorflow.core.protobuf import tensorflow_server_pb2
+from tensorflow.python.eager import context
+from tfdp import heartbeat
+spec = tf.train.ClusterSpec({"worker": [f"localhost:{own}",
+                                        f"localhost:{silent.getsockname()[1]}"]})
+context.context().enable_collective_ops(tensorflow_server_pb2.ServerDef(
+    cluster=spec.as_cluster_def(), job_name="worker", task_index=0, protocol="grpc"))
+gaps, stop = [0.0], threading.Event()
+def tick():
+  last = time.monotonic()
+  while not stop.wait(0.01):
+    now = time.monotonic(); gaps.append(now - last); last = now
+threading.Thread(target=tick, daemon=True).start()
+start = time.monotonic()
+try:
+  heartbeat.check_peer(context.context(), "/job:worker/replica:0/task:1", 2.0)
+  error = None
+except Exception as e:  # pylint: disable=broad-except
+  error = type(e).__name__
+stop.set()
+print(json.dumps({"error": error, "took": time.monotonic() - start, "gap": max(gaps)}))
+sys.stdout.flush()
+os._exit(0)  # TF's gRPC server has no clean shutdown
+"""
+
+
+def test_checking_a_hung_peer_leaves_the_other_threads_running():
+  # TF's check_collective_ops_peer_health holds the GIL for as long as it
+  # waits: one 5-s check of a hung peer froze the preemption grace watchdog
+  # past its deadline (a grace of 3 s ended after 6 s, as a lost peer).
+  proc = subprocess.run([sys.executable, "-c", _HUNG_PEER_CHECK], cwd=REPO, timeout=120,
+                        env=shared.environ(TF_CPP_MIN_LOG_LEVEL="2"),
+                        capture_output=True, text=True)
+  assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["error"] == "DeadlineExceededError", result
+  assert 2.0 <= result["took"] < 4.0, result
+  # Other threads wait for a probe at most (0.5 s), not for the whole check.
+  assert result["gap"] < 1.0, result

@@ -43,7 +43,7 @@ def interrupted(tmp_path_factory):
   """Both interrupted 2-worker runs of this file, at once (their own directories).
 
   "sigterm": SIGTERM to worker 1 past step 20; "frozen": worker 1 frozen
-  past step 10, then SIGTERM to worker 0. Each is {"model_dir", "code",
+  past step 10, then SIGTERM to worker 0 (grace 2 s). Each is {"model_dir", "code",
   "out"}; "frozen" also has "elapsed" (seconds from the SIGTERM to the
   launcher's report).
   """
@@ -54,7 +54,7 @@ def interrupted(tmp_path_factory):
       lambda: interrupt(runs["sigterm"]["model_dir"], "sigterm_worker"),
       lambda: interrupt(runs["frozen"]["model_dir"], _freeze_then_terminate(
           runs["frozen"]["elapsed"]), after_step=10, grace_seconds=1,
-                        flags=["--preemption_grace_seconds=3"])])
+                        flags=["--preemption_grace_seconds=2"])])
   for run, (code, out) in zip(runs.values(), done):
     run.update(code=code, out=out)
   return runs
@@ -84,12 +84,15 @@ def test_sigterm_to_one_worker_stops_both_at_one_step_and_resumes_bitwise(
 def test_a_worker_that_cannot_save_exits_when_the_grace_period_ends(interrupted):
   # Worker 1 is frozen (SIGSTOP), so worker 0 blocks in the next collective
   # and can never agree or save; after --preemption_grace_seconds it exits
-  # with EXIT_GRACE_EXPIRED although its main thread is stuck inside TF.
+  # with EXIT_GRACE_EXPIRED although its main thread is stuck inside TF and
+  # its peer watchdog is checking the hung peer (TF's check holds the GIL:
+  # see test_fault_tolerance's hung-peer test). The grace ends well before
+  # TF's coordination service (10 s of missed heartbeats) aborts the step.
   frozen = interrupted["frozen"]
   code, out, elapsed = frozen["code"], frozen["out"], frozen["elapsed"]
   assert code != 0
-  assert "no preemption checkpoint within the grace period of 3.0 s" in out, out[-3000:]
-  assert 3 <= elapsed[0] < 15, elapsed
+  assert "no preemption checkpoint within the grace period of 2.0 s" in out, out[-3000:]
+  assert 2 <= elapsed[0] < 15, elapsed
   assert 60 not in committed_steps(frozen["model_dir"])
 
 

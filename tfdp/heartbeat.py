@@ -29,6 +29,10 @@ EXIT_PEER_LOST = 69
 PEER_CHECK_INTERVAL = 2.0
 PEER_CHECK_TIMEOUT = 5.0
 PEER_CHECK_ATTEMPTS = 3
+# TF's peer check holds the GIL until it returns, which freezes every
+# Python thread of the process (the preemption grace watchdog included)
+# while a peer is hung. A check is made of probes of at most this long.
+PEER_PROBE_SECONDS = 0.5
 
 # The documented bound: a worker whose peer process dies or becomes
 # unreachable during training exits with EXIT_PEER_LOST within this many
@@ -162,8 +166,7 @@ class PeerWatchdog:
         task = f"/job:{job}/replica:0/task:{index}"
         for attempt in range(1, self.attempts + 1):
           try:
-            context.context().check_collective_ops_peer_health(
-                task, timeout_in_ms=int(self.timeout * 1000))
+            check_peer(context.context(), task, self.timeout)
             break
           except down as e:
             if self._stop.is_set():
@@ -177,6 +180,32 @@ class PeerWatchdog:
           except Exception as e:  # pylint: disable=broad-except
             logging.warning("tfdp: peer check of %s failed: %s", task, e)
             break
+
+
+def check_peer(ctx: Any, task: str, timeout: float,
+               probe: float = PEER_PROBE_SECONDS) -> None:
+  """TF's health check of `task` within `timeout` s, in probes of at most `probe` s.
+
+  `check_collective_ops_peer_health` holds the GIL for as long as it waits,
+  so one long call stops every other Python thread for up to `timeout`;
+  between probes they run. A peer that answers any probe is healthy.
+
+  Raises:
+    what the last probe raised: DeadlineExceededError when no probe was
+    answered within `timeout`; UnavailableError or FailedPreconditionError
+    at once (the peer is gone or was restarted).
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + timeout
+  while True:
+    left = deadline - time.monotonic()
+    try:
+      ctx.check_collective_ops_peer_health(
+          task, timeout_in_ms=max(1, int(min(left, probe) * 1000)))
+      return
+    except tf.errors.DeadlineExceededError:
+      if time.monotonic() >= deadline - 0.001:
+        raise
 
 
 def lost_peers(message: str, tf_config: dict | None = None) -> list[str]:
