@@ -2,7 +2,7 @@
 
 Usage: goodput_fake.py MODEL_DIR STEPS KILL_AT [STEP_SECONDS SAVE_EVERY BEAT_EVERY].
 Every worker resumes from the newest "checkpoint" (MODEL_DIR/ckpt, a step
-the chief writes every SAVE_EVERY steps), steps every STEP_SECONDS, beats
+the chief writes every SAVE_EVERY steps) as the chief read it, steps every STEP_SECONDS, beats
 its heartbeat file (when tfdp-launch gives one) at every BEAT_EVERY-th step,
 and, in a run that restored nothing, stops at step KILL_AT: the chief
 SIGKILLs itself there, the others wait as in a collective that the chief
@@ -24,6 +24,35 @@ SAVE_EVERY = 5
 SAVE_SECONDS = 0.02
 
 
+def _restore(model_dir, ckpt, chief):
+  """The step every worker of this attempt restores: the chief's read of `ckpt` (None: fresh).
+
+  The others take the chief's answer, as real workers restore one
+  checkpoint: one that starts late must not read a checkpoint the chief
+  wrote meanwhile, and run past KILL_AT.
+  """
+  start = os.environ.get("TFDP_ATTEMPT_START")
+  answer = os.path.join(model_dir, f"restored-{start}") if start else None
+  if chief:
+    restored = None
+    if os.path.exists(ckpt):
+      with open(ckpt, encoding="utf-8") as f:
+        restored = int(f.read())
+    if answer:
+      with open(answer + ".tmp", "w", encoding="utf-8") as f:
+        f.write(str(restored))
+      os.replace(answer + ".tmp", answer)
+    return restored
+  deadline = time.monotonic() + 120
+  while not os.path.exists(answer):
+    if time.monotonic() > deadline:
+      sys.exit(f"no answer from the chief in {answer}")
+    time.sleep(0.01)
+  with open(answer, encoding="utf-8") as f:
+    text = f.read()
+  return None if text == "None" else int(text)
+
+
 def main():
   model_dir, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
   step_seconds, save_every, beat_every = STEP_SECONDS, SAVE_EVERY, 1
@@ -34,10 +63,7 @@ def main():
   recorder = goodput.Recorder(model_dir, chief=chief, tensorboard=False)
   ckpt = os.path.join(model_dir, "ckpt")
   began = time.time()
-  restored = None
-  if os.path.exists(ckpt):
-    with open(ckpt, encoding="utf-8") as f:
-      restored = int(f.read())
+  restored = _restore(model_dir, ckpt, chief)
   recorder.restored(restored, time.time() - began, "persistent" if restored else None)
   beat_file = os.environ.get("TFDP_HEARTBEAT_FILE")
   for step in range((restored or 0) + 1, steps + 1):
