@@ -4,6 +4,7 @@ import io
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -98,7 +99,8 @@ def refused_runs(root):
   runs["data_dir"] = (["--train_steps=1", f"--data_dir={root / 'missing'}"], None)
   runs["tf_config"] = (["--train_steps=1"], {"TF_CONFIG": BAD_TF_CONFIG})
   names = sorted(runs)
-  done = run_all([lambda n=n: _train(runs[n][0], timeout=120, env=runs[n][1]) for n in names],
+  done = run_all([lambda n=n: _train(runs[n][0], timeout=120, env=runs[n][1],
+                                     command=TRAIN_SAYING_TF) for n in names],
                  parallel=3)
   return {n: [p.returncode, p.stdout.decode("utf-8", errors="replace")]
           for n, p in zip(names, done)}
@@ -113,12 +115,24 @@ def test_bad_flags_give_a_clear_error(refused_runs, flags, message):
   assert "Traceback" not in out
 
 
-def _train(flags, timeout=180, env=None):
+# tfdp-train's entry point, which says at exit whether TensorFlow was imported.
+TRAIN_SAYING_TF = [sys.executable, "-c", (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('tensorflow imported:', 'tensorflow' in sys.modules))\n"
+    "sys.argv[0] = 'tfdp-train'\n"
+    "from tfdp.cli import train\n"
+    "train.run()\n")]
+# Refusals that need nothing TensorFlow knows: made before it is imported.
+REFUSED_BEFORE_TF = ["--no_such_flag=1", "--train_steps=abc", "--strategy=multi_worker",
+                     "model_dir", "data_dir", "tf_config"]
+
+
+def _train(flags, timeout=180, env=None, command=TRAIN):
   """tfdp-train FLAGS without TF_CONFIG (unless `env` sets one): its CompletedProcess."""
   full_env = shared.environ()
   full_env.pop("TF_CONFIG", None)
   full_env.update(env or {})
-  return subprocess.run(TRAIN + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+  return subprocess.run(command + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         cwd=REPO, timeout=timeout, env=full_env, check=False)
 
 
@@ -166,6 +180,17 @@ def test_a_second_job_on_a_busy_model_dir_is_refused_and_the_first_is_untouched(
   for name in names:  # In this process: a `tfdp-ckpt verify` each would start TF again.
     buf = io.StringIO()
     assert ckpt.main(["verify", os.path.join(model_dir, name)], out=buf) == 0, buf.getvalue()
+
+
+@pytest.mark.slow
+def test_refusals_come_before_tensorflow_starts_where_they_can(refused_runs):
+  # A bad flag, path or cluster costs a fraction of a second, with no TF start-up lines.
+  for name in REFUSED_BEFORE_TF:
+    code, out = refused_runs[name]
+    assert code == 2 and "tensorflow imported: False" in out, (name, out)
+  # The wrapper does see TensorFlow when it is imported: the model registry is Keras's.
+  code, out = refused_runs["--model=nope"]
+  assert code == 2 and "tensorflow imported: True" in out, out
 
 
 @pytest.mark.slow

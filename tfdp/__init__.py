@@ -40,12 +40,12 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 # Submodules (with theirs) whose import does not apply tfdp.compat: the
-# launcher's, tfdp-ckpt's and tfdp.goodput, which the launcher uses (they
-# import no TensorFlow, or only when asked), and tfdp.compat, which applies
-# nothing by itself.
+# launcher's, tfdp-ckpt's and tfdp.goodput, which the launcher uses, and
+# tfdp-train's, which checks its flags first (they import no TensorFlow, or
+# only when asked), and tfdp.compat, which applies nothing by itself.
 _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
                    "tfdp._version", "tfdp.checkpoint.layout", "tfdp.environment",
-                   "tfdp.cli.ckpt")
+                   "tfdp.cli.ckpt", "tfdp.cli.train", "tfdp.strategy_kind")
 # Packages whose own (lazy) __init__ does not apply it; their other
 # submodules do.
 _WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint", "tfdp.cli")

@@ -12,9 +12,9 @@ from tensorflow.python.distribute import distribute_lib
 
 from tfdp import environment
 from tfdp import errors
+# The kinds and choose_kind are TensorFlow-free (tfdp-train checks its flags before TF starts).
+from tfdp.strategy_kind import ALL_REDUCE, KINDS, choose_kind  # pylint: disable=unused-import
 
-KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
-ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one", "ring")
 
 # A worker that misses heartbeats to TensorFlow's coordination service for
 # this long counts as lost: every other worker's collectives are aborted with
@@ -28,60 +28,6 @@ DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
 # measurements are in docs/performance.md). NCCL keeps TF's
 # single pack (0): it is most efficient with large messages.
 DEFAULT_RING_BYTES_PER_PACK = 4 << 20
-
-
-# -- Choosing the kind (pure) -------------------------------------------------
-
-
-def choose_kind(kind: str, *, tf_config_workers: int | None, num_gpus: int,
-                cpu_replicas: int | None = None, all_reduce: str = "auto") -> str:
-  """The kind of strategy `make_strategy` builds; no TensorFlow calls.
-
-  Args:
-    kind: the kind asked for (see `make_strategy`).
-    tf_config_workers: number of workers the cluster (TF_CONFIG or SLURM)
-      describes; None when there is no cluster.
-    num_gpus: GPUs visible to this process.
-    cpu_replicas: the logical CPU replicas asked for, or None.
-    all_reduce: the all-reduce method asked for.
-
-  Returns:
-    One of `mirrored`, `multi_worker`, `one_device`, `default`.
-
-  Raises:
-    ConfigError: unknown kind or all-reduce, NCCL without GPUs, multi_worker
-      without a cluster, or a single-host kind in a cluster of 2+ workers.
-  """
-  if kind not in KINDS:
-    raise errors.ConfigError(f"Unknown strategy {kind!r}; choose one of {', '.join(KINDS)}.")
-  if all_reduce not in ALL_REDUCE:
-    raise errors.ConfigError(
-        f"Unknown all_reduce {all_reduce!r}; choose one of {', '.join(ALL_REDUCE)}.")
-  if all_reduce == "nccl" and not num_gpus:
-    raise errors.ConfigError(
-        "all_reduce='nccl' needs GPUs and none is visible; use all_reduce="
-        "'ring' (across workers) or 'reduce_to_one' (between CPU replicas), or "
-        "'auto'.")
-  workers = tf_config_workers or 1
-  if kind == "auto":
-    if workers > 1:
-      kind = "multi_worker"
-    elif num_gpus > 1 or (not num_gpus and (cpu_replicas or 1) > 1):
-      kind = "mirrored"
-    elif num_gpus == 1:
-      kind = "one_device"
-    else:
-      kind = "default"
-  if kind == "multi_worker" and tf_config_workers is None:
-    raise errors.ConfigError(
-        "strategy 'multi_worker' needs TF_CONFIG describing the cluster; start "
-        "the workers with `tfdp-launch --num_workers=N -- COMMAND`, set "
-        "TF_CONFIG on each host, or run them as a SLURM job step (`srun`).")
-  if kind != "multi_worker" and workers > 1:
-    raise errors.ConfigError(
-        f"TF_CONFIG describes {workers} workers but strategy {kind!r} trains on "
-        "one host; use --strategy=multi_worker (or auto), or unset TF_CONFIG.")
-  return kind
 
 
 def default_bytes_per_pack(all_reduce: str, have_gpus: bool) -> int:

@@ -1,4 +1,8 @@
-"""`tfdp-train`: absl flags -> TrainConfig -> tfdp.trainer.run."""
+"""`tfdp-train`: absl flags -> TrainConfig -> tfdp.trainer.run.
+
+Flags, paths and the cluster are checked before TensorFlow is imported: a
+bad one costs a fraction of a second and prints one line, no TF start-up.
+"""
 
 import dataclasses
 import os
@@ -8,8 +12,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tfdp import environment
 from tfdp import errors
-from tfdp import strategy as strategy_lib
+from tfdp import strategy_kind
 
 FLAGS = flags.FLAGS
 
@@ -19,14 +24,14 @@ flags.DEFINE_string("dataset", "synthetic",
                     "tfds:NAME[:CONFIG] (prepared under --data_dir; never "
                     "downloaded) or text:PATH (a local corpus, one example "
                     "a line; --model=bert).")
-flags.DEFINE_enum("strategy", "auto", list(strategy_lib.KINDS),
+flags.DEFINE_enum("strategy", "auto", list(strategy_kind.KINDS),
                   "Distribution strategy; auto picks from TF_CONFIG, GPUs and "
                   "--cpu_replicas.")
 flags.DEFINE_integer("cpu_replicas", None,
                      "Split the CPU into this many logical devices and mirror "
                      "over them (replicas per worker under multi_worker).",
                      lower_bound=1)
-flags.DEFINE_enum("all_reduce", "auto", list(strategy_lib.ALL_REDUCE),
+flags.DEFINE_enum("all_reduce", "auto", list(strategy_kind.ALL_REDUCE),
                   "Gradient all-reduce implementation.")
 flags.DEFINE_float("collective_timeout", None,
                    "Seconds before a collective op gives up (multi-worker).")
@@ -184,11 +189,19 @@ def check_paths():
         "was prepared in (see scripts/make_dataset.py).")
 
 
+def check_cluster():
+  """Raises ConfigError for a bad TF_CONFIG or SLURM step, or a --strategy the cluster contradicts."""
+  _, config = environment.resolve_cluster("auto")
+  workers = None if config is None else environment.num_cluster_workers(config)
+  strategy_kind.check_cluster(FLAGS.strategy, workers)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   try:
     check_paths()
+    check_cluster()
   except errors.ConfigError as e:
     print(f"tfdp-train: error: {e}", file=sys.stderr)
     return 2
