@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import random
 import re
 import signal
@@ -17,25 +16,17 @@ from tfdp import heartbeat
 from tfdp import launch
 from tfdp.checkpoint import faults
 from tests import shared
-from tests.shared import shared_run
 from tests.conftest import REPO
 from tests.workers import ft_common
 
 
-@shared_run("survivor_run")
-def survivor_run(root):
-  """A 2-worker job whose worker 1 is SIGKILLed once both train: {code, took, text, peer}.
-
-  A shared run (tests/shared.py): made early, in the session's background
-  thread (most of it is waiting for the survivor to notice).
-  """
-  out = open(root / "log.txt", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
-  cmd = ft_common.command(str(root / "model"))
+@pytest.mark.slow
+def test_a_survivor_exits_within_the_bound_naming_the_lost_peer(tmp_path):
+  out = open(tmp_path / "log.txt", "w+", encoding="utf-8")  # pylint: disable=consider-using-with
+  cmd = ft_common.command(str(tmp_path / "model"))
   cmd = [c.replace(f"--train_steps={ft_common.STEPS}", "--train_steps=100000")
          for c in cmd]
-  # The session's environment: this runs beside tests that may monkeypatch it.
-  group = launch.Launcher(cmd, 2, env=ft_common.env(base=shared.environ()), out=out,
-                          grace_seconds=5)
+  group = launch.Launcher(cmd, 2, env=ft_common.env(), out=out, grace_seconds=5)
   try:
     group.start()
     deadline = time.monotonic() + 240
@@ -51,21 +42,16 @@ def survivor_run(root):
     survivor = group.procs[0]
     try:
       code = survivor.wait(timeout=heartbeat.PEER_LOSS_BOUND_SECONDS)
-    except subprocess.TimeoutExpired:
-      code = None
-    took = time.monotonic() - killed
+    finally:
+      took = time.monotonic() - killed
   finally:
     group.stop(grace_seconds=0)
     group.cleanup()
   for pump in group._pumps:  # pylint: disable=protected-access
     pump.join(timeout=5)
   out.seek(0)
-  return {"code": code, "took": took, "text": out.read(), "peer": group.cluster["worker"][1]}
-
-
-@pytest.mark.slow
-def test_a_survivor_exits_within_the_bound_naming_the_lost_peer(survivor_run):
-  code, took, text, peer = (survivor_run[k] for k in ("code", "took", "text", "peer"))
+  text = out.read()
+  peer = group.cluster["worker"][1]
   assert code == heartbeat.EXIT_PEER_LOST, text[-3000:]
   assert took <= heartbeat.PEER_LOSS_BOUND_SECONDS
   assert f"lost peer worker 1 ({peer})" in text, text[-3000:]
@@ -130,35 +116,22 @@ def recomputed_from_records(folder, attempts, final_step):
   return total, seen
 
 
-@shared_run("chaos_run")
-def chaos_run(root):
-  """The chaos job: _plan(seed=6)'s 5 SIGKILLs of the 2-worker job with TIERS, in `root`.
-
-  A shared run (tests/shared.py): made early, in the session's background thread.
-  """
-  plan = _plan(seed=6)
-  code, out = ft_common.run_job(
-      str(root / "model"), str(root / "log.txt"),
-      TIERS + [f"--local_checkpoint_dir={root / 'local'}"],
-      # The session's environment: this runs beside tests that may monkeypatch it.
-      env=ft_common.env(base=shared.environ(), FT_CHAOS_PLAN=json.dumps(plan),
-                        FT_REACHED_DIR=str(root / "reached")),
-      max_restarts=5, hang_timeout=60)
-  return {"root": str(root), "plan": plan, "code": code, "out": out}
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("ft_reference")  # made early (tests/shared.py)
-def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(chaos_run, tmp_path_factory):
+def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_path, tmp_path_factory):
   """Local tier every step, persistent every 100: a SIGKILL costs at most a step on average.
 
   The same job without the local tier recomputes about 50 steps per failure
   (scripts/bench_tiers.py --parts=chaos runs both side by side).
   """
   reference = ft_common.reference(tmp_path_factory)
-  tmp_path = pathlib.Path(chaos_run["root"])
-  plan, code, out = chaos_run["plan"], chaos_run["code"], chaos_run["out"]
+  plan = _plan(seed=6)
   model_dir = str(tmp_path / "model")
+  flags = TIERS + [f"--local_checkpoint_dir={tmp_path / 'local'}"]
+  code, out = ft_common.run_job(
+      model_dir, str(tmp_path / "log.txt"), flags,
+      env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan), FT_REACHED_DIR=str(tmp_path / "reached")),
+      max_restarts=5, hang_timeout=60)
   assert code == 0, out[-5000:]
   restarts = [l for l in out.splitlines() if "[tfdp-launch] restart " in l]
   assert len(restarts) == 5, (plan, restarts)

@@ -142,17 +142,18 @@ def two_worker_reference_runs(root):
           "ref": launch_workers([sys.executable, SCRIPT, str(root / "ref"), "finite,data"])}
 
 
-@shared_run("two_worker_chains")
-def two_worker_chains(root):
-  """The killed and resumed 2-worker runs of this file: {"root", "runs": {name: [code, output]}}.
+@pytest.fixture(scope="module")
+def two_workers(two_worker_reference_runs, tmp_path_factory):
+  """Every 2-worker run of this file: {name: (code, output)} and the root.
 
+  "ref" and "ref_root": the shared uninterrupted job (two_worker_reference_runs);
   cut/MODE killed at TWO_WORKER_CUTS (worker 1 is SIGKILLed), then resumed;
   replaced/data the same as cut/data with worker 1's local tier deleted as it
   is killed; moved/finite: the killed finite backup on 1 worker;
   "manifest-finite": the newest manifest of cut/finite at the kill. The three
-  chains run two at a time. A shared run (tests/shared.py): made early, in
-  the session's background thread.
+  chains run two at a time.
   """
+  root = tmp_path_factory.mktemp("two_workers")
 
   def killed(mode):
     kill_at, env = TWO_WORKER_CUTS[mode]
@@ -191,23 +192,11 @@ def two_worker_chains(root):
                          TFDP_TEST_WIPE_LOCAL="1")),
             "resumed-replaced": resumed("data", "replaced")}
 
-  runs = {}
-  for chain in run_all([finite, data, replaced]):
-    runs.update(chain)
-  return {"root": str(root), "runs": runs}
-
-
-@pytest.fixture(scope="module")
-def two_workers(two_worker_reference_runs, two_worker_chains):
-  """Every 2-worker run of this file: the root of the chains and {name: (code, output)}.
-
-  "ref" and "ref_root": the shared uninterrupted job (two_worker_reference_runs);
-  the others: two_worker_chains.
-  """
   runs = {"ref": two_worker_reference_runs["ref"],
           "ref_root": pathlib.Path(two_worker_reference_runs["root"])}
-  runs.update(two_worker_chains["runs"])
-  return pathlib.Path(two_worker_chains["root"]), runs
+  for chain in run_all([finite, data, replaced]):
+    runs.update(chain)
+  return root, runs
 
 
 @pytest.mark.parametrize("mode", sorted(TWO_WORKER_CUTS))
