@@ -70,24 +70,29 @@ def _scenario(kind, tmp_path, *, fresh_callback, interrupt, **kw):
     dict(interrupt=(4, 2), resumes_at=4),                     # mid-epoch, epoch backups
     dict(interrupt=(4, None), resumes_at=4, delete_checkpoint=False),
     dict(interrupt=(3, None), resumes_at=3, double_checkpoint=True),
-    # Every 5 steps: the backup at an epoch's last batch precedes its epoch
-    # end. Keras reruns that epoch; tfdp's backup holds the data position, so
-    # it runs the epoch's remaining steps (none) and ends bitwise equal to an
-    # uninterrupted run.
-    dict(interrupt=(2, None), resumes_at=1, save_freq=5),
+    # Every 5 steps: step 10 is the second epoch's last. Keras's backup at
+    # that batch precedes the epoch's end, and it reruns the epoch. tfdp's
+    # waits for the end of the epoch (after its validation and the other
+    # callbacks' epoch end) and holds the data position, so the run goes on
+    # at the third epoch and ends bitwise equal to an uninterrupted run.
+    dict(interrupt=(2, None), resumes_at=2, keras_resumes_at=1, save_freq=5),
 ])
 def test_interrupted_fit_resumes_like_keras(tmp_path, case, fresh_callback):
   case = dict(case)
   epoch, batch = case.pop("interrupt")
   resumes_at = case.pop("resumes_at")
+  keras_resumes_at = case.pop("keras_resumes_at", resumes_at)
   results = {kind: _scenario(kind, tmp_path, fresh_callback=fresh_callback,
                              interrupt=_Interrupt(epoch, batch), **case) for kind in KINDS}
   assert results["tfdp"]["epochs_run"] == list(range(resumes_at, 10))
+  assert results["keras"]["epochs_run"] == list(range(keras_resumes_at, 10))
   if "save_freq" not in case:
     assert results["tfdp"] == results["keras"]
     return
   tfdp_weights = results["tfdp"].pop("weights")
   keras_weights = results["keras"].pop("weights")
+  for r in results.values():
+    r.pop("epochs_run")
   assert results["tfdp"] == results["keras"]
   model = _model()
   _fit(model, [])

@@ -120,7 +120,10 @@ def test_inspect_summarizes_then_lists_the_users_variables(dirs):
                       r"replica\(s\)", labels["per-worker"]), summary
   assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d by tfdp \S+, tensorflow \S+, keras \S+",
                       labels["saved"]), summary
-  assert re.fullmatch(r"loss [\d.]+", labels["metrics"]), summary
+  # The metrics of the epoch they come from (the backup is in the next one).
+  assert re.fullmatch(r"epoch 1: loss [\d.]+", labels["metrics"]), summary
+  assert re.fullmatch(r"worker 0: [\d.]+ (B|KB) \(\d+% of the checkpoint's [\d.]+ KB\)",
+                      labels["data position"]), summary
   lines = table.splitlines()
   assert lines[0].split() == ["VARIABLE", "SHAPE", "DTYPE", "SIZE"]
   names = [l.split()[0] for l in lines[1:-1]]
@@ -128,7 +131,7 @@ def test_inspect_summarizes_then_lists_the_users_variables(dirs):
   assert names == sorted(names) and names[0].startswith("model/"), names  # model, then optimizer
   assert re.search(r"^model/sequential/dense/kernel +\[8, 256\] +float32 +8\.2 KB$", table, re.M)
   assert ".ATTRIBUTES" not in out and "_CHECKPOINTABLE_OBJECT_GRAPH" not in out
-  assert re.fullmatch(r"14 tensors, [\d.]+ KB \(model [\d.]+ KB, optimizer [\d.]+ KB\); 10 internal "
+  assert re.fullmatch(r"14 tensors, [\d.]+ KB \(model [\d.]+ KB, optimizer [\d.]+ KB\); 14 internal "
                       r"entries .* not listed: --all lists them", lines[-1]), lines[-1]
 
 
@@ -136,9 +139,12 @@ def test_inspect_all_lists_the_internal_entries_last(dirs):
   code, out, _ = _cli("inspect", os.path.join(dirs["backup"], "ckpt-11"), "--all")
   assert code == 0
   names = [l.split()[0] for l in out.split("\n\n")[1].splitlines()[1:-1]]
-  assert len(names) == 24 and names[:14] == sorted(names[:14]), names
+  assert len(names) == 28 and names[:14] == sorted(names[:14]), names
   assert set(names[14:]) == {
-      "_CHECKPOINTABLE_OBJECT_GRAPH", "_tfdp_per_worker/0/data/.ATTRIBUTES/kind",
+      "_CHECKPOINTABLE_OBJECT_GRAPH", "_tfdp_per_worker/0/callbacks/.ATTRIBUTES/arrays",
+      "_tfdp_per_worker/0/callbacks/.ATTRIBUTES/state",
+      "_tfdp_per_worker/0/metrics/.ATTRIBUTES/state", "keras_model/.ATTRIBUTES/py_state",
+      "_tfdp_per_worker/0/data/.ATTRIBUTES/kind",
       "_tfdp_per_worker/0/data/.ATTRIBUTES/made", "_tfdp_per_worker/0/data/.ATTRIBUTES/skip",
       "_tfdp_per_worker/0/data/.ATTRIBUTES/state",
       "data_topology", "keras_epoch", "keras_step_in_epoch", "run_config/.ATTRIBUTES/py_state",

@@ -214,11 +214,53 @@ def test_format_keras_arguments(trained, tmp_path):
     assert code == 2 and "--format=safetensors" in err and err.count("\n") == 1
 
 
-def test_format_keras_without_a_usable_run_config_is_one_line_exit_2(trained, tmp_path):
+def test_format_keras_of_any_keras_model_from_the_config_its_checkpoint_holds(trained, tmp_path):
+  # A user's checkpoint (tfdp.TrainState, BackupAndRestore): its run config
+  # names no tfdp-train model, but it holds the model's Keras config.
   code, out, err = _cli("export", trained["no_model"], tmp_path / "out", "--format=keras")
+  assert (code, err) == (0, ""), err
+  loaded = keras.models.load_model(tmp_path / "out" / "model.keras")
+  np.testing.assert_allclose(loaded.predict(trained["x"], verbose=0), trained["predictions"],
+                             rtol=1e-6, atol=1e-6)
+
+
+class _Unregistered(keras.Model):
+  """A subclassed model whose class Keras cannot find by name (not registered)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = keras.layers.Dense(2)
+
+  def call(self, x):
+    return self.dense(x)
+
+
+def test_format_keras_of_a_model_keras_cannot_rebuild_is_one_line_exit_2(tmp_path):
+  import tfdp  # pylint: disable=g-import-not-at-top
+  model = _Unregistered()
+  model(np.zeros((1, 3), "float32"))
+  model.compile("sgd", "mse")
+  state = tfdp.TrainState(model, run_config={"seed": 1})
+  with tfdp.CheckpointManager(state.checkpoint, str(tmp_path / "ckpt")) as manager:
+    prefix = manager.save()
+  code, out, err = _cli("export", prefix, tmp_path / "out", "--format=keras")
   assert (code, out, err.count("\n")) == (2, "", 1), err
-  assert trained["no_model"] in err and "'model'" in err and "safetensors" in err
+  assert prefix in err and "register_keras_serializable" in err and "save_keras" in err
   assert not (tmp_path / "out").exists()
+
+
+def test_exports_get_the_users_umask(trained, tmp_path):
+  old = os.umask(0o027)
+  try:
+    assert _cli("export", trained["ckpt"], tmp_path / "one")[0] == 0
+    assert _cli("export", trained["ckpt"], tmp_path / "many", "--max_shard_size=500B")[0] == 0
+    assert _cli("export", trained["ckpt"], tmp_path / "k.keras", "--format=keras")[0] == 0
+  finally:
+    os.umask(old)
+  files = [tmp_path / "one" / "model.safetensors", tmp_path / "k.keras"] + sorted(
+      (tmp_path / "many").iterdir())
+  assert len(files) > 3
+  assert {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o640)}, files
 
 
 def test_model_run_config_rebuilds_under_its_dtype_policy_and_checks_the_fit(trained):

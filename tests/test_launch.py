@@ -450,3 +450,18 @@ def test_options_are_one_dataclass_with_keyword_overrides():
   out = io.StringIO()
   assert launch.launch([PY, "-c", "pass"], 1, out=out, options=options,
                        max_restarts=0) == launch.EXIT_OK
+
+
+def test_a_tf_config_found_in_the_environment_is_replaced_and_said_once():
+  found = {"cluster": {"worker": ["elsewhere:1", "elsewhere:2"]},
+           "task": {"type": "worker", "index": 1}}
+  script = "import json, os; print(json.loads(os.environ['TF_CONFIG'])['task']['index'])"
+  for env, said in ((dict(os.environ, TF_CONFIG=json.dumps(found)), 1),
+                    ({k: v for k, v in os.environ.items() if k != "TF_CONFIG"}, 0)):
+    out = io.StringIO()
+    assert launch.launch([PY, "-c", script], 2, env=env, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert [l for l in lines if "TF_CONFIG" in l] == [
+        "[tfdp-launch] TF_CONFIG is set in the environment; each of the 2 workers gets its own "
+        "instead (unset it to silence this)."] * said, lines
+    assert sorted(l for l in lines if l.startswith("[worker")) == ["[worker 0] 0", "[worker 1] 1"]

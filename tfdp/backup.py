@@ -6,12 +6,15 @@ import time
 from absl import logging
 import keras
 
+from tfdp import backup_watch
+from tfdp import callback_state
 from tfdp import cluster
 from tfdp import errors
 from tfdp import fit_hooks
 from tfdp import goodput
 from tfdp import preemption
 from tfdp import resume as resume_lib
+from tfdp import run_state
 from tfdp import state as state_lib
 from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import policy
@@ -32,6 +35,14 @@ class BackupAndRestore(keras.callbacks.Callback):
   optimizer's iteration count and the RNG state of dropout and other
   `SeedGenerator`s), saved through a sharded `tfdp.CheckpointManager`
   numbered by the global step. Every worker of a multi-worker job must use it.
+
+  A backup also holds the run beyond the model: the state of every
+  stateful callback of the `fit` (EarlyStopping, ModelCheckpoint,
+  ReduceLROnPlateau, CSVLogger, TensorBoard, and any callback with
+  `get_state()`/`set_state(state)`: `tfdp.callback_state`) and each
+  replica's part of the compiled metrics, so a resumed `fit` logs, writes
+  and decides what the run that never stopped would. It acts after the
+  other callbacks at every step and epoch end, wherever it is in the list.
 
   A backup also holds each worker's data position: under plain
   `model.fit(dataset, ...)` with any `tf.data` pipeline (or arrays), the
@@ -90,8 +101,12 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   Raises:
     ValueError (a `tfdp.errors.ConfigError`): an empty backup_dir or an
-      invalid save_freq, as Keras's callback.
+      invalid save_freq, as Keras's callback; a backup_dir this process
+      cannot create or write.
   """
+
+  # tfdp.fit_hooks moves it after the fit's other callbacks.
+  tfdp_runs_last = True
 
   @property
   def wants_data_state(self) -> bool:
@@ -116,6 +131,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     if not backup_dir:
       raise errors.ConfigError("Empty `backup_dir` argument passed to BackupAndRestore.")
     self.backup_dir = str(backup_dir)
+    backup_watch.check_writable(self.backup_dir)
     self.save_freq = save_freq
     self.double_checkpoint = double_checkpoint
     self.delete_checkpoint = delete_checkpoint
@@ -147,6 +163,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       self._preemption = preemption.PreemptionCallback(
           self._save_for_preemption, handler=preemption.SignalHandler(
               preemption_grace_seconds))
+    self._cadence = resume_lib.EpochEndCadence(self._cadence, self._ends_epoch)
+    self._watch = backup_watch.Watch()
 
   @property
   def restored_step(self) -> int | None:
@@ -173,7 +191,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.manager = CheckpointManager(
         self.state.checkpoint, self.backup_dir, max_to_keep=self.max_to_keep,
         async_save=self.async_save, max_shard_bytes=self.max_shard_bytes,
-        keep_best=self.keep_best, per_worker={resume_lib.DATA_KEY: self.position.data},
+        keep_best=self.keep_best, per_worker=self.position.per_worker(),
         strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"),
         local_checkpoint_dir=self.local_checkpoint_dir,
         local_checkpoint_every_steps=self.local_checkpoint_every_steps,
@@ -211,6 +229,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       prefix = self.manager.restore_newest_intact(before_restore=check)
     seconds = time.perf_counter() - start
     self.resumed = self.position.read(prefix, self.state.step, self.manager.restored_tier)
+    self._read_run_state(prefix)
     self._goodput.restored(self.restored_step, seconds, self.manager.restored_tier)
     if self.resumed.restored:
       logging.info("Restored %s at step %d.", prefix, self.resumed.step)
@@ -300,6 +319,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     step = state_lib.global_step(self.model)
     self._first_epoch_done = skipped
     self._cadence.start(step)
+    self._continue_callbacks(step)
 
   def on_epoch_begin(self, epoch, logs=None):
     step = state_lib.global_step(self.model)
@@ -309,6 +329,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     else:
       self.position.epoch_first_step = step - self._first_epoch_done
     self._first_epoch_done = 0
+    self._continue_metrics()
 
   def on_train_batch_end(self, batch, logs=None):
     step = state_lib.global_step(self.model)
@@ -328,6 +349,7 @@ class BackupAndRestore(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     self.position.epoch_end(epoch)
     self.note_metrics(logs or {})
+    self._metrics["epoch"] = epoch + 1  # Whose metrics a backup holds (tfdp-ckpt inspect).
     self._save_if(self._cadence, state_lib.global_step(self.model), epoch_end=True)
 
   def on_train_end(self, logs=None):
@@ -354,3 +376,32 @@ class BackupAndRestore(keras.callbacks.Callback):
     cluster.agree(0.0, "max", model.distribute_strategy)
     manager, self.manager = self.manager, None
     manager.delete_directory()
+
+  # -- The run beyond the model (tfdp.run_state), and what the chief says of the backups.
+
+  def on_train_batch_begin(self, batch, logs=None):
+    if self.manager is not None and self.manager.is_chief:
+      self._watch.batch_begin(self, state_lib.global_step(self.model))
+
+  def _ends_epoch(self, step: int) -> bool:
+    """Whether `step` is the current epoch's last (when the epoch's number of steps is known)."""
+    steps = self._spanning or (self.params or {}).get("steps")
+    return bool(steps) and step - self.position.epoch_first_step >= steps
+
+  def _read_run_state(self, prefix):
+    """After a restore: a worker the backup has no callback state of (another topology) takes the chief's."""
+    if prefix is not None and self.position.callbacks.restored is None:
+      self.position.callbacks.restored = run_state.chief_callbacks(prefix)
+
+  def _continue_callbacks(self, step):
+    """At train begin, after every other callback's (which resets most): their restored state."""
+    callbacks = run_state.run_callbacks(self)
+    callback_state.train_begin(callbacks)
+    self.position.callbacks.apply(callbacks)
+    self._watch.train_begin(step)
+
+  def _continue_metrics(self):
+    """At the first epoch begin after a restore from inside an epoch: that epoch's metrics so far."""
+    if self.resumed.mid_epoch:
+      self.position.metrics.apply()
+    self.position.metrics.restored = None

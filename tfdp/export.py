@@ -134,6 +134,7 @@ def save_keras(model: keras.Model, path: str, *, strategy: Any = None) -> str:
   tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp.keras")
   try:
     view.save(tmp)
+    user_mode(tmp)
     fs.fsync_file(tmp)
     fs.rename(tmp, path)
   finally:
@@ -141,6 +142,30 @@ def save_keras(model: keras.Model, path: str, *, strategy: Any = None) -> str:
       fs.remove(tmp)
   fs.fsync_dir(folder)
   return path
+
+
+def _umask() -> int:
+  """This process's umask (from /proc on Linux: setting it to read it would race other threads)."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except (OSError, ValueError):
+    pass
+  mask = os.umask(0o22)
+  os.umask(mask)
+  return mask
+
+
+def user_mode(path: str) -> None:
+  """Gives a local file the mode a plain `open()` would: 0666 less the user's umask.
+
+  Writers that go through a temporary file (`tempfile.mkstemp`) or a library
+  (`safetensors` writes 0600) leave exports readable by their owner only.
+  """
+  if "://" not in path:
+    os.chmod(path, 0o666 & ~_umask())
 
 
 # -- safetensors ----------------------------------------------------------------
@@ -316,11 +341,13 @@ def save_safetensors(checkpoint: str, folder: str, *, include_optimizer: bool = 
       tensors = {n: np.ascontiguousarray(reader.get_tensor(keys[n])) for n in shard}
       written.append(file_name)
       safetensors.numpy.save_file(tensors, os.path.join(folder, file_name), metadata=metadata)
+      user_mode(os.path.join(folder, file_name))
     if len(shards) > 1:
       written.append(SAFETENSORS_INDEX)
       weight_map = {n: f for f, shard in zip(names, shards) for n in shard}
       fs.write_json_atomic(os.path.join(folder, SAFETENSORS_INDEX), {
           "metadata": {"total_size": sum(n for _, n in sizes)}, "weight_map": weight_map})
+      user_mode(os.path.join(folder, SAFETENSORS_INDEX))
   except BaseException:
     for file_name in written:
       if os.path.exists(os.path.join(folder, file_name)):
@@ -380,10 +407,11 @@ def model_from_run_config(run_config: dict) -> keras.Model:
   if not name or not isinstance(kwargs, dict):
     missing = "model" if not name else "model_kwargs"
     raise errors.ConfigError(
-        f"the run config has no {missing!r} entry, so the model cannot be rebuilt "
-        "(tfdp-train records the model's name and builder arguments; a user's "
-        "script or an older tfdp-train did not); export --format=safetensors "
-        "instead, or build the model yourself and call tfdp.export.save_keras")
+        f"it holds no model config and the run config has no {missing!r} entry, so the "
+        "model cannot be rebuilt (checkpoints of this tfdp hold the model's Keras config "
+        "unless Keras could not serialize it, and tfdp-train's also its name and builder "
+        "arguments); export --format=safetensors instead, or build the model yourself "
+        "and call tfdp.export.save_keras")
   try:
     spec = models.get(name)
   except KeyError as e:
@@ -426,9 +454,29 @@ def restore_model_variables(model: keras.Model, checkpoint: str) -> None:
     v.assign(reader.get_tensor(saved[p]))
 
 
-def keras_from_checkpoint(checkpoint: str, path: str) -> str:
-  """Writes the model of a `tfdp-train` checkpoint as a `.keras` file (see `save_keras`).
+def model_from_config(config: dict) -> keras.Model:
+  """The (uncompiled) model a `tfdp.TrainState` checkpoint's Keras config describes (`tfdp.state.model_config`).
 
+  Raises:
+    ConfigError: Keras cannot rebuild it (a class of the user's that is not
+      registered, e.g. with `keras.saving.register_keras_serializable`).
+  """
+  try:
+    return keras.saving.deserialize_keras_object(config)
+  except Exception as e:  # pylint: disable=broad-except
+    raise errors.ConfigError(
+        f"Keras cannot rebuild the model from the config the checkpoint holds ({type(e).__name__}: "
+        f"{' '.join(str(e).split())[:300]}); register its classes with "
+        "keras.saving.register_keras_serializable, or build the model yourself and call "
+        "tfdp.export.save_keras") from None
+
+
+def keras_from_checkpoint(checkpoint: str, path: str) -> str:
+  """Writes the model of a `tfdp.TrainState` checkpoint as a `.keras` file (see `save_keras`).
+
+  The model is rebuilt from the Keras config the checkpoint holds (every
+  backup of `tfdp.callbacks.BackupAndRestore`), or for `tfdp-train`
+  checkpoints from the model name and builder arguments of its run config.
   Variables are matched by path, and Keras numbers unnamed layers per
   process (`conv2d`, `conv2d_1`, ...): call it in a process that has built
   no other model, or after `keras.backend.clear_session()`.
@@ -441,11 +489,13 @@ def keras_from_checkpoint(checkpoint: str, path: str) -> str:
     `path`.
 
   Raises:
-    ConfigError: the checkpoint has no usable run config (see
-      `model_from_run_config`) or does not fit the model it describes.
+    ConfigError: the checkpoint holds neither (see `model_from_run_config`),
+      Keras cannot rebuild it, or it does not fit the model it describes.
   """
+  run_config = state_lib.read_run_config(checkpoint)
+  config = {} if run_config.get("model") else state_lib.read_model_config(checkpoint)
   try:
-    model = model_from_run_config(state_lib.read_run_config(checkpoint))
+    model = model_from_config(config) if config else model_from_run_config(run_config)
   except errors.ConfigError as e:
     raise errors.ConfigError(f"{checkpoint}: {e}") from None
   restore_model_variables(model, checkpoint)

@@ -9,19 +9,29 @@ below (fix `fit_data_state`; probed, revertible) so that while `fit` runs:
   `tfdp.iterators.CheckpointableDataset` that replaced Keras's distributed
   dataset (same elements, checkpointable iterators);
 - `FitRun.skip_steps(n)` makes the next epoch start at step n without taking
-  any data (the restored iterator is already there).
+  any data (the restored iterator is already there); an epoch resumed after
+  its last step runs no step and logs the restored metrics of the whole
+  epoch (`wrap_metrics_or_logs`);
+- callbacks that set `tfdp_runs_last` (tfdp's BackupAndRestore) come after
+  the others in every hook, so that a backup holds their state after the
+  step and a restore comes after their `on_train_begin`.
 
-With fix `chief_only_verbose`, non-chief workers default to `verbose=0` in
-`fit`, `evaluate`, `predict` (`wrap_quiet`). The Keras names all this relies
-on are checked by the fixes' probes (tfdp/compat/fit_fixes.py).
+With fix `chief_only_verbose`, workers other than the chief print nothing
+from `fit`, `evaluate`, `predict` (`wrap_quiet`), nor from Keras's own
+callbacks, whatever `verbose` says, unless $TFDP_PROGRESS_ALL_WORKERS=1. The
+Keras names all this relies on are checked by the fixes' probes
+(tfdp/compat/fit_fixes.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import threading
+import time
 
 from absl import logging
 import tensorflow as tf
@@ -36,6 +46,8 @@ _runs = threading.local()
 # in keras.src.trainers.data_adapters). Others (generators, PyDataset, grain,
 # torch) run Python code tf.data cannot save.
 SERIALIZABLE_ADAPTERS = ("TFDatasetAdapter", "ArrayDataAdapter")
+# Set to 1, every worker prints what `verbose` says (default: only the chief).
+ALL_WORKERS_ENV = "TFDP_PROGRESS_ALL_WORKERS"
 
 
 @dataclasses.dataclass
@@ -47,11 +59,28 @@ class FitRun:
   epoch_iterator: object = None
   dataset: iterators.CheckpointableDataset | iterators.LocalDataset | None = None
   not_saved_reason: str | None = None
+  callbacks: list = dataclasses.field(default_factory=list)
+  started: float = dataclasses.field(default_factory=time.time)  # wall time of the call
 
   def skip_steps(self, steps: int) -> None:
     """The next epoch starts at step `steps` (its earlier steps are done; no data is taken)."""
     if self.epoch_iterator is not None:
       self.epoch_iterator._tfdp_skip_steps = int(steps)  # pylint: disable=protected-access
+
+  def build_metrics(self) -> None:
+    """Builds the model's compiled metrics now, from the training data's element spec, if Keras has not yet.
+
+    Without a strategy Keras builds them when it traces the first step: a
+    metric state restored before that would have no variables to go to.
+    """
+    model, ei = self.model, self.epoch_iterator
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is None or metrics.built or ei is None:
+      return
+    spec = getattr(getattr(ei, "_distributed_dataset", None), "element_spec", None)
+    if spec is not None:
+      model._symbolic_build(data_batch=tf.nest.map_structure(  # pylint: disable=protected-access
+          lambda s: s._value_specs[0] if hasattr(s, "_value_specs") else s, spec))  # pylint: disable=protected-access
 
   def next_iterator(self, at_epoch_end: bool):
     """The iterator the next training step takes its batch from; None: one Keras will make.
@@ -91,24 +120,33 @@ def _is_chief(model) -> bool:
     return True  # Output is never a reason to fail.
 
 
-def _quiet_unless_chief(bound):
-  if bound.arguments.get("verbose", "auto") == "auto" and not _is_chief(bound.arguments["self"]):
-    bound.arguments["verbose"] = 0
+def _listed(callbacks) -> list:
+  """The callbacks of a fit's `callbacks` argument (a list, a tuple, a CallbackList or None)."""
+  if not callbacks:
+    return []
+  return list(callbacks) if isinstance(callbacks, (list, tuple)) else list(callbacks.callbacks)
+
+
+def runs_last(callbacks):
+  """`callbacks` with those that set `tfdp_runs_last` moved to the end (a list or tuple; else as given)."""
+  if not isinstance(callbacks, (list, tuple)):
+    return callbacks
+  return ([c for c in callbacks if not getattr(c, "tfdp_runs_last", False)]
+          + [c for c in callbacks if getattr(c, "tfdp_runs_last", False)])
 
 
 def wrap_fit(original):
-  """`Trainer.fit` that records the FitRun."""
+  """`Trainer.fit` that records the FitRun, with tfdp's backups after the other callbacks."""
   signature = inspect.signature(original)
 
   @functools.wraps(original)
   def fit(self, *args, **kwargs):
     bound = signature.bind(self, *args, **kwargs)
-    callbacks = bound.arguments.get("callbacks") or []
-    if isinstance(callbacks, (list, tuple)):
-      wants = any(getattr(c, "wants_data_state", False) for c in callbacks)
-    else:  # A CallbackList.
-      wants = any(getattr(c, "wants_data_state", False) for c in callbacks.callbacks)
-    _stack().append(FitRun(self, wants, int(bound.arguments.get("epochs") or 1)))
+    bound.arguments["callbacks"] = runs_last(bound.arguments.get("callbacks"))
+    callbacks = _listed(bound.arguments["callbacks"])
+    wants = any(getattr(c, "wants_data_state", False) for c in callbacks)
+    _stack().append(FitRun(self, wants, int(bound.arguments.get("epochs") or 1),
+                           callbacks=callbacks))
     try:
       return original(*bound.args, **bound.kwargs)
     finally:
@@ -117,15 +155,35 @@ def wrap_fit(original):
   return fit
 
 
+@contextlib.contextmanager
+def _quiet_unless_chief(bound):
+  """On a worker other than the chief: verbose=0, and Keras's own callbacks' messages off."""
+  model = bound.arguments["self"]
+  if os.environ.get(ALL_WORKERS_ENV) == "1" or _is_chief(model):
+    yield
+    return
+  bound.arguments["verbose"] = 0
+  loud = [c for c in _listed(bound.arguments.get("callbacks"))
+          if type(c).__module__.startswith("keras.") and getattr(c, "verbose", 0)]
+  saved = [c.verbose for c in loud]
+  for c in loud:
+    c.verbose = 0
+  try:
+    yield
+  finally:
+    for c, verbose in zip(loud, saved):
+      c.verbose = verbose
+
+
 def wrap_quiet(original):
-  """`Trainer.fit`/`evaluate`/`predict` that default to `verbose=0` on non-chief workers."""
+  """`Trainer.fit`/`evaluate`/`predict` that print nothing on workers other than the chief."""
   signature = inspect.signature(original)
 
   @functools.wraps(original)
   def method(self, *args, **kwargs):
     bound = signature.bind(self, *args, **kwargs)
-    _quiet_unless_chief(bound)
-    return original(*bound.args, **bound.kwargs)
+    with _quiet_unless_chief(bound):
+      return original(*bound.args, **bound.kwargs)
 
   return method
 
@@ -192,6 +250,7 @@ def wrap_enumerate_iterator(original):
   def _enumerate_iterator(self):
     skip = getattr(self, "_tfdp_skip_steps", 0)
     self._tfdp_skip_steps = 0
+    self._tfdp_skipped = skip  # This epoch's steps done before the resume.
     for item in original(self):
       if skip > 0:  # Counted as seen by Keras; its data is already consumed.
         skip -= self.steps_per_execution
@@ -199,3 +258,23 @@ def wrap_enumerate_iterator(original):
       yield item
 
   return _enumerate_iterator
+
+
+def wrap_metrics_or_logs(original):
+  """`Trainer._get_metrics_result_or_logs` that gives the model's metrics for an epoch resumed after its last step.
+
+  Such an epoch runs no step, so `fit` has no step logs to match the
+  metrics' names against (upstream then logs nothing but validation); its
+  metrics are the restored ones of the whole epoch.
+  """
+
+  @functools.wraps(original)
+  def _get_metrics_result_or_logs(self, logs):
+    run = current(self)
+    ei = run.epoch_iterator if run is not None else None
+    if isinstance(logs, dict) and not logs and getattr(ei, "_tfdp_skipped", 0) > 0:
+      ei._tfdp_skipped = 0  # pylint: disable=protected-access
+      return self.get_metrics_result()
+    return original(self, logs)
+
+  return _get_metrics_result_or_logs

@@ -10,6 +10,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tfdp import cluster
 from tfdp import errors
 from tfdp import fit_hooks
+from tfdp import run_state
 from tfdp import state as state_lib
 
 # Name of the completed-epoch counter a backup holds (Keras's callback keeps
@@ -44,6 +45,11 @@ class Resume:
   data: dict | None = None
   topology: tuple[int, int] = (0, 0)
   tier: str | None = None
+
+  @property
+  def mid_epoch(self) -> bool:
+    """Whether it restored steps of an epoch that had not ended (so not the epoch's end)."""
+    return self.restored and bool(self.step_in_epoch)
 
   @property
   def restored(self) -> bool:
@@ -84,8 +90,9 @@ class Position:
 
   Three variables added to the backup's checkpoint (`keras_epoch`,
   `keras_step_in_epoch`, `data_topology`), set as training goes, plus this
-  worker's data position (`data`, per-worker state). `read()` turns what a
-  restore put in them into a `Resume`.
+  worker's per-worker state (`per_worker()`): its data position (`data`),
+  its callbacks' state and its metrics' state (`tfdp.run_state`). `read()`
+  turns what a restore put in them into a `Resume`.
   """
 
   def __init__(self, checkpoint: tf.train.Checkpoint, callback):
@@ -98,7 +105,14 @@ class Position:
     setattr(checkpoint, STEP_IN_EPOCH_KEY, self.step_in_epoch)
     setattr(checkpoint, DATA_TOPOLOGY_KEY, self.topology)
     self.data = DataPosition(callback)
+    self.callbacks = run_state.CallbackStates(callback)
+    self.metrics = run_state.MetricStates(callback)
     self.epoch_first_step = 0  # The global step the current epoch began at.
+
+  def per_worker(self) -> dict:
+    """The backup's per-worker state: name -> trackable (a `tfdp.CheckpointManager`'s `per_worker`)."""
+    return {DATA_KEY: self.data, run_state.CALLBACKS_KEY: self.callbacks,
+            run_state.METRICS_KEY: self.metrics}
 
   def reset(self) -> None:
     """Before a restore: a backup without these keys leaves them unknown."""
@@ -106,6 +120,8 @@ class Position:
     self.step_in_epoch.assign(-1)
     self.topology.assign([0, 0])
     self.data.restored = None
+    self.callbacks.restored = None
+    self.metrics.restored = None
 
   def read(self, prefix: str | None, step: int, tier: str | None) -> Resume:
     """The `Resume` of what a restore just put in the variables."""
@@ -256,7 +272,57 @@ def resume_data(resume: Resume, model, backup_dir: str,
   run.skip_steps(resume.step_in_epoch)
   logging.info("Resuming the data at step %d of epoch %d.", resume.step_in_epoch,
                (resume.epoch or 0) + 1)
-  return resume.step_in_epoch, "data position restored"
+  size = len(position["state"]) if position["kind"] == b"iterator" else 0
+  steps = run.epoch_iterator.num_batches if run.epoch_iterator is not None else None
+  return resume.step_in_epoch, "data position restored" + (
+      f", {human_bytes(size)} per worker" if size else "") + (
+          "; the epoch's steps are done, its end runs again"
+          if steps and resume.step_in_epoch >= steps else "")
+
+
+def human_bytes(n: float) -> str:
+  """Bytes in decimal units, as `tfdp-ckpt` prints them: 812 B, 27.3 MB."""
+  for unit in ("B", "KB", "MB", "GB"):
+    if n < 1000 or unit == "GB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1000.0
+  return f"{n:.1f} TB"
+
+
+class EpochEndCadence:
+  """A backup's `Cadence` whose saves due on an epoch's last batch wait for that epoch's end.
+
+  A backup taken after an epoch's last step but before its end holds none of
+  what the end does (validation, the other callbacks' `on_epoch_end`: a CSV
+  row, EarlyStopping's count): a resume from it must run that end again.
+  Taken at the end instead (the same global step, after every other
+  callback's `on_epoch_end`), it resumes at the next epoch. An epoch's last
+  batch is known when the epoch's number of steps is (`last_batch(step)`).
+
+  Args:
+    cadence: the `tfdp.checkpoint.policy.Cadence` to ask.
+    last_batch: `fn(step) -> bool`: whether `step` ends the current epoch.
+  """
+
+  def __init__(self, cadence, last_batch):
+    self.cadence = cadence
+    self._last_batch = last_batch
+    self._held = None  # The step of a save held for the epoch's end.
+
+  def start(self, step):
+    self.cadence.start(step)
+    self._held = None
+
+  def due(self, step, *, last_saved_step=None, advance=True, **when) -> bool:
+    if advance and self._last_batch(step):
+      if self.cadence.due(step, last_saved_step=last_saved_step, advance=True, **when):
+        self._held = step
+      return False
+    if when.get("epoch_end") and self._held is not None:
+      held, self._held = self._held, None
+      if held == step and last_saved_step != step:
+        return True
+    return self.cadence.due(step, last_saved_step=last_saved_step, advance=advance, **when)
 
 
 def _why_no_hooks() -> str | None:

@@ -2,6 +2,7 @@
 
 import json
 
+from absl import logging
 import keras
 import tensorflow as tf
 
@@ -9,6 +10,9 @@ from tfdp import errors
 
 STATE_VERSION = 1
 RUN_CONFIG_KEY = "run_config/.ATTRIBUTES/py_state"
+# The model's Keras config (its architecture, as `model.to_json()`'s), so
+# that `tfdp-ckpt export --format=keras` rebuilds any Keras model.
+MODEL_CONFIG_KEY = "keras_model/.ATTRIBUTES/py_state"
 ITERATIONS_KEY = "optimizer/iteration/.ATTRIBUTES/VARIABLE_VALUE"
 
 # Run-config entries that must match for a resumed run to see the same data
@@ -81,8 +85,10 @@ class TrainState:
   Holds the model's variables (including non-trainable ones and the RNG state
   of every `SeedGenerator`), the optimizer's variables (its iteration count
   is the global step, which also fixes the data position and the learning
-  rate schedule) and the run config as JSON, so that a restore can refuse a
-  checkpoint of another run.
+  rate schedule), the run config as JSON, so that a restore can refuse a
+  checkpoint of another run, and the model's Keras config (its
+  architecture; empty for a model Keras cannot serialize), so that the
+  checkpoint alone rebuilds the model.
 
   Create it under the strategy's scope after the model is built; it builds
   the optimizer's variables if they do not exist yet.
@@ -106,7 +112,8 @@ class TrainState:
     self.checkpoint = tf.train.Checkpoint(
         model=_tree(model.variables),
         optimizer=_tree(self.optimizer.variables, strip_first=True),
-        run_config=_JsonState(self.run_config))
+        run_config=_JsonState(self.run_config),
+        keras_model=_JsonState(model_config(model)))
 
   @property
   def step(self) -> int:
@@ -125,6 +132,25 @@ class TrainState:
           "exactly. Use a new --model_dir, or pass "
           "--allow_config_mismatch (allow_mismatch=True) to load it anyway.")
     return diffs
+
+
+def model_config(model: keras.Model) -> dict:
+  """`model`'s Keras config without its compile state (what `keras.saving.deserialize_keras_object` rebuilds); {} if Keras cannot serialize it."""
+  try:
+    config = keras.saving.serialize_keras_object(model)
+    json.dumps(config)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.info("tfdp: checkpoints of %s hold no model config (%s: %s); tfdp-ckpt export "
+                 "--format=keras will need the model built in code.", model.name,
+                 type(e).__name__, e)
+    return {}
+  config.pop("compile_config", None)  # Names the optimizer and loss: not the architecture.
+  return config
+
+
+def read_model_config(path: str) -> dict:
+  """The model config stored in the checkpoint at `path` ({} if it has none)."""
+  return _read_json(path, MODEL_CONFIG_KEY)
 
 
 def check_checkpoint(train_state: "TrainState", path: str, allow_mismatch: bool = False) -> list[str]:
@@ -147,8 +173,12 @@ def check_checkpoint(train_state: "TrainState", path: str, allow_mismatch: bool 
 
 def read_run_config(path: str) -> dict:
   """The run config stored in the checkpoint at `path` ({} if it has none)."""
+  return _read_json(path, RUN_CONFIG_KEY)
+
+
+def _read_json(path: str, key: str) -> dict:
   reader = tf.train.load_checkpoint(path)
-  if not reader.has_tensor(RUN_CONFIG_KEY):
+  if not reader.has_tensor(key):
     return {}
-  raw = reader.get_tensor(RUN_CONFIG_KEY)
+  raw = reader.get_tensor(key)
   return json.loads(raw.decode() if isinstance(raw, bytes) else raw)

@@ -20,6 +20,7 @@ _RUN_CONFIG_KEY = "run_config/.ATTRIBUTES/py_state"
 _STEP_KEY = "optimizer/iteration" + _VALUE_SUFFIX
 _EPOCH_KEY, _STEP_IN_EPOCH_KEY = "keras_epoch" + _VALUE_SUFFIX, "keras_step_in_epoch" + _VALUE_SUFFIX
 _TOPOLOGY_KEY = "data_topology" + _VALUE_SUFFIX
+_DATA_PART = "data"  # tfdp.resume.DATA_KEY: the data position among the per-worker state.
 # Top-level names of what tfdp and Keras's BackupAndRestore keep next to the
 # user's objects (see tfdp.resume and tfdp.state); `inspect` lists them last.
 _INTERNAL = ("_CHECKPOINTABLE_OBJECT_GRAPH", layout_lib.PER_WORKER_ROOT, "save_counter",
@@ -318,21 +319,36 @@ def _summary(path, reader, rows):
               ("size", f"{_human(man.get('total_bytes', 0))} in {man.get('num_shards', '?')} "
                        "data file(s) and an index")]
     if man.get("metrics"):
-      lines.append(("metrics", ", ".join(f"{k} {v:.4g}" for k, v in sorted(man["metrics"].items()))))
-  per_worker = {}
+      lines.append(("metrics", _metrics(man["metrics"])))
+  per_worker, data = {}, {}
   for name, _, _, nbytes, _ in rows:
     if name.startswith(layout_lib.PER_WORKER_ROOT + "/"):
-      worker = int(name.split("/")[1])
-      per_worker[worker] = per_worker.get(worker, 0) + nbytes
+      worker, part = name.split("/")[1:3]
+      per_worker[int(worker)] = per_worker.get(int(worker), 0) + nbytes
+      if part == _DATA_PART:
+        data[int(worker)] = data.get(int(worker), 0) + nbytes
   topology = reader.get_tensor(_TOPOLOGY_KEY) if reader.has_tensor(_TOPOLOGY_KEY) else [0, 0]
   if per_worker:
     lines.append(("per-worker", ", ".join(f"worker {w}: {_human(n)}" for w, n in sorted(
         per_worker.items())) + ("; data positions of {} worker(s) x {} replica(s)".format(
             *topology) if any(topology) else "")))
+  total = man.get("total_bytes") or sum(r[3] for r in rows)
+  if any(data.values()):
+    lines.append(("data position", ", ".join(f"worker {w}: {_human(n)}" for w, n in sorted(
+        data.items())) + f" ({sum(data.values()) / max(1, total):.0%} of the checkpoint's "
+                         f"{_human(total)})"))
   if config:
     lines.append(("run config", ", ".join(
         f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sorted(config.items()))))
   return lines
+
+
+def _metrics(metrics):
+  """`epoch 2: accuracy 0.5, loss 1.2`: the metrics a backup holds, and the epoch they are of."""
+  metrics = dict(metrics)
+  epoch = metrics.pop("epoch", None)
+  text = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
+  return f"epoch {epoch:.0f}: {text}" if epoch is not None else text
 
 
 def cmd_inspect(args, out):
@@ -354,8 +370,8 @@ def cmd_inspect(args, out):
     groups[group] = groups.get(group, 0) + nbytes
   out.write(f"{len(shown)} tensors, {_human(sum(groups.values()))} (" + ", ".join(
       f"{g} {_human(n)}" for g, n in groups.items()) + ")" + (
-      f"; {hidden} internal entries (object graph, per-worker state, counters, run config) "
-      "not listed: --all lists them\n" if hidden else "\n"))
+      f"; {hidden} internal entries (object graph, per-worker state, counters, run and model "
+      "config) not listed: --all lists them\n" if hidden else "\n"))
   return 0
 
 
@@ -414,7 +430,8 @@ def build_parser():
   i.set_defaults(fn=cmd_inspect)
   e = sub.add_parser(
       "export", help="export the model: Hugging Face safetensors (weights only by "
-      "default), or a .keras file plain Keras loads (tfdp-train checkpoints)")
+      "default), or a .keras file plain Keras loads (checkpoints of BackupAndRestore, "
+      "tfdp.TrainState, tfdp-train)")
   e.add_argument("path", help="checkpoint prefix, e.g. DIR/ckpt-5")
   e.add_argument("out", help="output folder (keras: also a path ending in .keras)")
   e.add_argument("--format", default="safetensors", choices=["safetensors", "keras"])

@@ -21,6 +21,7 @@ import tensorflow as tf
 # The registry is filled in this order (the order fixes are installed in).
 from tfdp.compat import strategy_fixes  # pylint: disable=unused-import
 from tfdp.compat import fit_fixes  # pylint: disable=unused-import
+from tfdp.compat import file_fixes  # pylint: disable=unused-import
 from tfdp.compat.registry import Fix
 from tfdp.compat.registry import REGISTRY as _REGISTRY
 

@@ -3,6 +3,7 @@
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator as epoch_iterator_lib
+from keras.src.trainers import trainer as base_trainer
 
 from tfdp import fit_hooks
 from tfdp.compat import probes
@@ -12,6 +13,7 @@ from tfdp.compat.registry import register
 _Trainer = tf_trainer.TensorFlowTrainer
 _TFEpochIterator = tf_trainer.TFEpochIterator
 _EpochIterator = epoch_iterator_lib.EpochIterator
+_BaseTrainer = base_trainer.Trainer
 
 # ---------------------------------------------------------------------------
 # Hooks: the training data's position under plain `fit`.
@@ -30,9 +32,22 @@ def _probe_fit_loop():
       *probes.defines(_Trainer, "fit", own=True),
       *probes.params(_Trainer, "fit", defaults={"callbacks": None}),
       *probes.reads(_Trainer, "fit", "epoch_iterator = TFEpochIterator(",
-                    "callbacks.on_train_begin()", "self._initial_epoch or initial_epoch",
+                    "callbacks_module.CallbackList(", "callbacks,",
+                    "callbacks.on_train_begin()", "logs = {}",
+                    "self._initial_epoch or initial_epoch", "self.reset_metrics()",
+                    "callbacks.on_epoch_begin(epoch)",
                     "for begin_step, end_step, iterator in epoch_iterator:",
-                    "callbacks.on_train_batch_end(end_step", ordered=True),
+                    "logs = self.train_function(iterator)",
+                    "callbacks.on_train_batch_end(end_step",
+                    "epoch_logs = dict(self._get_metrics_result_or_logs(logs))",
+                    ordered=True),
+      *probes.inherits(_Trainer, "_get_metrics_result_or_logs", "_symbolic_build"),
+      *probes.params(_BaseTrainer, "_symbolic_build", ("self", "iterator", "data_batch")),
+      *probes.reads(_BaseTrainer, "_symbolic_build", "self._compile_metrics.built",
+                    "if compile_metrics_unbuilt:", "self.compute_metrics,", ordered=True),
+      *probes.reads(_BaseTrainer, "_get_metrics_result_or_logs",
+                    "metric_logs = self.get_metrics_result()", "return metric_logs",
+                    "return logs", ordered=True),
   ]
 
 
@@ -101,8 +116,9 @@ def _probe_fit_data_state():
 
 
 @register("fit_data_state", _probe_fit_data_state,
-          "backups of plain model.fit hold no data position: a resumed fit restarts "
-          "the interrupted epoch from its first batch")
+          "backups of plain model.fit hold no data position, callback state or metric "
+          "state: a resumed fit restarts the interrupted epoch from its first batch, and "
+          "the other callbacks start again")
 def _install_fit_data_state():
   """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer.fit, TFEpochIterator.
 
@@ -111,11 +127,16 @@ def _install_fit_data_state():
   an epoch at its first step. With a callback that asks for the data position
   (`tfdp.callbacks.BackupAndRestore`), the patch gives the `tf.data` input
   checkpointable iterators (`tfdp.iterators`), lets the callback find them
-  (`tfdp.fit_hooks.current`), and lets it start the resumed epoch at the
-  restored step.
+  and the fit's other callbacks (`tfdp.fit_hooks.current`), and lets it start
+  the resumed epoch at the restored step; an epoch resumed after its last
+  step logs its restored metrics (upstream: none but validation's). Callbacks
+  that set `tfdp_runs_last` come after the others, wherever they are in the
+  list.
   """
   undo = [
       patch_attr(_Trainer, "fit", fit_hooks.wrap_fit(_Trainer.__dict__["fit"]), "fit_data_state"),
+      patch_attr(_BaseTrainer, "_get_metrics_result_or_logs", fit_hooks.wrap_metrics_or_logs(
+          _BaseTrainer.__dict__["_get_metrics_result_or_logs"]), "fit_data_state"),
       patch_attr(_TFEpochIterator, "__init__",
                  fit_hooks.wrap_epoch_iterator_init(_TFEpochIterator.__dict__["__init__"]),
                  "fit_data_state"),
@@ -136,7 +157,7 @@ def _probe_chief_only_verbose():
   changes = probes.multi_worker_attributes()
   for method in _QUIET_METHODS:
     changes += probes.defines(_Trainer, method, own=True)
-    changes += probes.params(_Trainer, method, defaults={"verbose": "auto"})
+    changes += probes.params(_Trainer, method, defaults={"verbose": "auto", "callbacks": None})
     changes += probes.reads(_Trainer, method, "add_progbar=verbose != 0")
   return changes
 
@@ -146,9 +167,11 @@ def _probe_chief_only_verbose():
 def _install_chief_only_verbose():
   """keras/src/backend/tensorflow/trainer.py TensorFlowTrainer.fit, evaluate, predict.
 
-  Upstream prints a progress bar on every worker of a multi-worker job. The
-  patch makes `verbose="auto"` (the default) mean 0 on non-chief workers; an
-  explicit verbose is kept.
+  Upstream prints progress (bars, or a line per epoch with verbose=2) and
+  the messages of Keras's callbacks (ModelCheckpoint's, EarlyStopping's) on
+  every worker of a multi-worker job. The patch makes them print on the
+  chief only, whatever `verbose` says; $TFDP_PROGRESS_ALL_WORKERS=1 keeps
+  every worker's.
   """
   undo = [
       patch_attr(_Trainer, m, fit_hooks.wrap_quiet(_Trainer.__dict__[m]), "chief_only_verbose")

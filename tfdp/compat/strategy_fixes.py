@@ -159,6 +159,76 @@ def _install_reduce_mean_axis():
 
 
 # ---------------------------------------------------------------------------
+# Fix: predict's concatenation across workers of dtypes collectives cannot gather.
+
+# What TF's CollectiveGather kernels take (tensorflow/core/kernels/collective_ops.cc).
+_GATHERABLE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _wider(dtype):
+  """The dtype a collective gathers `dtype` in, exactly: int64 for integers, float32 for the rest."""
+  return tf.int64 if dtype.is_integer else tf.float32
+
+
+def _cast_local(value, dtype):
+  """`value` (a tensor or one worker's PerReplica) cast to `dtype`, replica by replica."""
+  if isinstance(value, values.PerReplica):
+    return values.PerReplica(tuple(tf.cast(v, dtype) for v in value.values))
+  return tf.cast(value, dtype)
+
+
+def _dtype_of(value):
+  parts = value.values if isinstance(value, values.PerReplica) else (value,)
+  return getattr(parts[0], "dtype", None) if parts and isinstance(parts[0], tf.Tensor) else None
+
+
+def _probe_concat_gather_dtypes():
+  # The patch wraps the module's function, as reduce_mean_axis does; upstream
+  # must still concatenate multi-worker outputs with `strategy.gather`.
+  return [
+      *probes.params(tf_trainer, "reduce_per_replica", ("values", "strategy", "reduction")),
+      *probes.reads(tf_trainer, "reduce_per_replica", 'if reduction == "concat":',
+                    "return _multi_worker_concat(v, strategy)", ordered=True),
+      *probes.reads(tf_trainer, "_multi_worker_concat", "strategy.gather(v, axis=0)"),
+      *probes.reads(_Trainer, "make_predict_function", "reduce_per_replica(",
+                    'reduction="concat"'),
+      *probes.multi_worker_attributes(),
+  ]
+
+
+@register("concat_gather_dtypes", _probe_concat_gather_dtypes,
+          "predict under a multi-worker MultiWorkerMirroredStrategy fails on outputs in "
+          "bfloat16 (mixed_bfloat16), int8, bool and other dtypes collectives cannot gather")
+def _install_concat_gather_dtypes():
+  """keras/src/backend/tensorflow/trainer.py reduce_per_replica (reduction="concat").
+
+  Across workers upstream concatenates `predict`'s outputs with
+  `strategy.gather`, a collective whose kernels take float16, float32,
+  float64, int32 and int64 only: a model under the mixed_bfloat16 policy
+  fails with "Value passed to parameter 'input' has DataType bfloat16 not
+  in list of allowed values". The patch gathers such outputs cast to
+  float32 (int64 for integers), which holds every value exactly, and casts
+  the result back; every other case goes to upstream.
+  """
+  original = tf_trainer.reduce_per_replica
+
+  @functools.wraps(original)
+  def reduce_per_replica(values_, strategy, reduction):
+    if reduction != "concat" or not cluster.is_multi_worker(strategy):
+      return original(values_, strategy, reduction)
+
+    def concat(v):
+      dtype = _dtype_of(v)
+      if dtype is None or dtype in _GATHERABLE:
+        return original(v, strategy, reduction)
+      return tf.cast(original(_cast_local(v, _wider(dtype)), strategy, reduction), dtype)
+
+    return tree.map_structure(concat, values_)
+
+  return patch_attr(tf_trainer, "reduce_per_replica", reduce_per_replica, "concat_gather_dtypes")
+
+
+# ---------------------------------------------------------------------------
 # Fix: steps_per_execution > 1.
 
 # Where a strategy's extended keeps the cross-device ops its steps reduce

@@ -153,6 +153,9 @@ class _Job:
       self.group.forward(signum)
 
   def run(self):
+    if "TF_CONFIG" in (os.environ if self.env is None else self.env):
+      self.log(f"TF_CONFIG is set in the environment; each of the {len(self.slots.active)} "
+               "workers gets its own instead (unset it to silence this).")
     heartbeat_dir = tempfile.mkdtemp(prefix="tfdp-heartbeat-")
     try:
       with signals.forwarding(self.on_signal):

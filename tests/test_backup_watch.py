@@ -1,0 +1,65 @@
+"""What BackupAndRestore checks and says of its backups: an unwritable backup_dir, the interval "auto" chose, a data position that dominates."""
+
+import types
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp import backup_watch
+from tfdp import callbacks
+from tfdp import errors
+
+
+def test_a_backup_dir_it_cannot_write_is_one_config_error_when_the_callback_is_built(tmp_path):
+  a_file = tmp_path / "a-file"
+  a_file.write_text("")
+  for path in ("/proc/x", str(a_file / "backup")):
+    with pytest.raises(errors.ConfigError, match=r"cannot write backup_dir .*: pass a directory"):
+      callbacks.BackupAndRestore(path)
+  # A writable one is left as it was: nothing is made before training.
+  callbacks.BackupAndRestore(str(tmp_path / "new" / "backup"))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def _backup(interval, costs=((0.004, 0.002),) * 3, save_freq=20):
+  manager = types.SimpleNamespace(local_interval=interval, _local=types.SimpleNamespace(
+      costs=list(costs)), latest_checkpoint=None)
+  return types.SimpleNamespace(manager=manager, local_checkpoint_every_steps="auto",
+                               save_freq=save_freq, checkpoint_overhead=0.02)
+
+
+def test_the_interval_auto_chose_is_said_at_each_new_choice_and_a_sparser_one_warned_once(
+    capsys, caplog):
+  backup, watch = _backup(1), backup_watch.Watch()
+  watch.train_begin(0)
+  # The local tier measures when the step crosses a multiple of 25, counted
+  # from its first save (after step 1): at steps 25, 50, 75.
+  for step, interval in ((1, 1), (24, 1), (25, 30), (50, 30), (75, 8), (100, 40)):
+    backup.manager.local_interval = interval
+    watch.batch_begin(backup, step)
+  lines = capsys.readouterr().out.splitlines()
+  assert [int(l.split()[4]) for l in lines] == [30, 8, 40], lines
+  assert lines[0].startswith("tfdp: local saves every 30 step(s) (local_checkpoint_every_steps="
+                             "'auto': a save costs 6.0 ms, blocked plus its writer's CPU"), lines
+  warned = [r.getMessage() for r in caplog.records if "less often than the backups" in r.getMessage()]
+  assert len(warned) == 1 and "every 30 steps" in warned[0] and "save_freq=20" in warned[0]
+  assert "costs 6.0 ms" in warned[0]
+
+
+def test_a_data_position_that_dominates_the_backups_is_one_warning(tmp_path, caplog):
+  # 2,000 "decoded images" of 3 KB in a shuffle buffer, a model of 2 KB.
+  images = np.random.default_rng(0).normal(size=(2000, 16, 16, 3)).astype("float32")
+  data = tf.data.Dataset.from_tensor_slices((images, np.zeros(2000, "int32"))).shuffle(
+      2000, seed=1).batch(100)
+  keras.backend.clear_session()
+  model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.GlobalAveragePooling2D(),
+                            keras.layers.Dense(2)])
+  model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.fit(data, epochs=1, steps_per_epoch=6, verbose=0, callbacks=[
+      callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)])
+  warned = [r.getMessage() for r in caplog.records if "the data position is" in r.getMessage()]
+  assert len(warned) == 1, warned
+  assert "shuffle file names or indices before decoding" in warned[0], warned[0]
+  assert "docs/data.md#state-size" in warned[0]
