@@ -1,13 +1,17 @@
 """Tests of tfdp.compat's probes: a fix whose upstream code changed is not installed, a warning says what changed (in-process)."""
 
 import dataclasses
+import os
 
 from absl import logging
 import keras
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.callbacks import csv_logger
+from keras.src.callbacks import tensorboard
 from keras.src.layers import layer as keras_layer
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator as epoch_iterator_lib
+from keras.src.trainers import trainer as base_trainer
 import pytest
 from tensorflow.python.distribute import collective_all_reduce_strategy
 from tensorflow.python.distribute import cross_device_utils
@@ -87,6 +91,23 @@ def _reduce_per_replica_fixed_upstream(values, strategy, reduction):
   return strategy.reduce("MEAN", values, axis=None)
 
 
+def _multi_worker_concat_all_dtypes(v, strategy):
+  return strategy.experimental_local_results(v)
+
+
+def _metrics_result_or_logs_logs_only(self, logs):
+  return logs
+
+
+def _csv_on_train_begin_elsewhere(self, logs=None):
+  self.csv_file = open(self.path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+
+
+def _tensorboard_set_model_elsewhere(self, model):
+  self._model = model
+  self._train_dir = os.path.join(self.log_dir, "train")
+
+
 def _make_train_function_elsewhere(self, force=False):
   self.train_function = self._make_train_loop(self.train_step)
 
@@ -153,11 +174,16 @@ def changed_upstream(monkeypatch):
 
 
 def _assert_skipped(apply, expected, change):
-  """The fixes `expected` are skipped (the others installed), each naming `change`, with one warning."""
+  """The fixes `expected` are skipped (the others installed), each naming `change`, with one warning.
+
+  `change` is what every reason says, or {fix: what its reason says}.
+  """
   installed, warnings = apply()
   assert installed == set(compat.fixes()) - set(expected), warnings
   assert set(compat.skipped()) == set(expected)
+  changes = change if isinstance(change, dict) else dict.fromkeys(expected, change)
   for name in expected:
+    change = changes[name]
     assert change in compat.skipped()[name], compat.skipped()[name]
     assert compat.fixes()[name].without in compat.skipped()[name]
     found = [w for w in warnings if f"skipping {name}:" in w]
@@ -192,7 +218,8 @@ def _exec_get_iterator():
 
 
 _DELETED = object()
-_TELL_WORKERS_APART = {"symbolic_build_batch", "reduce_mean_axis", "chief_only_verbose"}
+_TELL_WORKERS_APART = {"symbolic_build_batch", "reduce_mean_axis", "chief_only_verbose",
+                       "chief_only_files", "concat_gather_dtypes"}
 
 # One upstream change per assumption family of each fix: (upstream owner,
 # attribute, what it becomes, the fixes skipped, what their reason says).
@@ -235,13 +262,31 @@ CHANGES = {
         _Trainer, "_maybe_symbolic_build", _maybe_symbolic_build_batch_first,
         {"symbolic_build_batch"},
         "TensorFlowTrainer._maybe_symbolic_build no longer takes (self, iterator, data_batch, ...)"),
-    "symbolic_build_from_values": (_Trainer, "_symbolic_build", _symbolic_build_from_values,
-                                   {"symbolic_build_batch"},
-                                   "no longer contains `def to_symbolic_input(v):`"),
-    "reduce_fixed_upstream": (tf_trainer, "reduce_per_replica",
-                              _reduce_per_replica_fixed_upstream, {"reduce_mean_axis"},
-                              "trainer.reduce_per_replica no longer contains "
-                              "`strategy.reduce(\"MEAN\", v, axis=0)`"),
+    # (fit_data_state builds metrics through the base class's _symbolic_build.)
+    "symbolic_build_from_values": (
+        _Trainer, "_symbolic_build", _symbolic_build_from_values,
+        {"symbolic_build_batch", "fit_data_state"},
+        {"symbolic_build_batch": "no longer contains `def to_symbolic_input(v):`",
+         "fit_data_state": "TensorFlowTrainer now overrides _symbolic_build"}),
+    "reduce_fixed_upstream": (
+        tf_trainer, "reduce_per_replica", _reduce_per_replica_fixed_upstream,
+        {"reduce_mean_axis", "concat_gather_dtypes"},
+        {"reduce_mean_axis": "trainer.reduce_per_replica no longer contains "
+                             "`strategy.reduce(\"MEAN\", v, axis=0)`",
+         "concat_gather_dtypes": "trainer.reduce_per_replica no longer contains "
+                                 "`return _multi_worker_concat(v, strategy)`"}),
+    "gather_fixed_upstream": (tf_trainer, "_multi_worker_concat", _multi_worker_concat_all_dtypes,
+                              {"concat_gather_dtypes"},
+                              "_multi_worker_concat no longer contains `strategy.gather(v, axis=0)`"),
+    "metrics_or_logs_reads_logs_only": (
+        base_trainer.Trainer, "_get_metrics_result_or_logs", _metrics_result_or_logs_logs_only,
+        {"fit_data_state"}, "no longer contains `metric_logs = self.get_metrics_result()`"),
+    "csv_logger_opens_elsewhere": (csv_logger.CSVLogger, "on_train_begin",
+                                   _csv_on_train_begin_elsewhere, {"chief_only_files"},
+                                   "no longer contains `file_utils.exists(self.filename)`"),
+    "tensorboard_dirs_elsewhere": (tensorboard.TensorBoard, "set_model",
+                                   _tensorboard_set_model_elsewhere, {"chief_only_files"},
+                                   "no longer contains `self._log_write_dir = self.log_dir`"),
     # steps_per_execution_inline: the cause it works around, and where it
     # reads which collectives a strategy's step launches.
     "instance_key_fed_through_control_flow": (

@@ -9,6 +9,7 @@ from absl import logging
 
 from tfdp import errors
 from tfdp import resume as resume_lib
+from tfdp.checkpoint import fs
 from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import policy
@@ -16,6 +17,7 @@ from tfdp.checkpoint import policy
 
 def check_writable(path: str) -> None:
   """Raises ConfigError when this process cannot create and write directory `path` (a scratch folder tells)."""
+  fs.require_directory(path)
   if "://" in path:
     return  # Remote file systems say so at the first write.
   existing = os.path.abspath(path)

@@ -145,25 +145,18 @@ def save_keras(model: keras.Model, path: str, *, strategy: Any = None) -> str:
 
 
 def _umask() -> int:
-  """This process's umask (from /proc on Linux: setting it to read it would race other threads)."""
+  """This process's umask (Linux: from /proc, as setting it to read it races other threads)."""
   try:
     with open("/proc/self/status", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("Umask:"):
-          return int(line.split()[1], 8)
-  except (OSError, ValueError):
-    pass
-  mask = os.umask(0o22)
-  os.umask(mask)
-  return mask
+      return int(next(l for l in f if l.startswith("Umask:")).split()[1], 8)
+  except (OSError, StopIteration, ValueError):
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 def user_mode(path: str) -> None:
-  """Gives a local file the mode a plain `open()` would: 0666 less the user's umask.
-
-  Writers that go through a temporary file (`tempfile.mkstemp`) or a library
-  (`safetensors` writes 0600) leave exports readable by their owner only.
-  """
+  """Gives a local file the mode `open()` gives: 0666 less the umask (`safetensors` and `mkstemp` give 0600)."""
   if "://" not in path:
     os.chmod(path, 0o666 & ~_umask())
 

@@ -40,7 +40,8 @@ class _KillAt(keras.callbacks.Callback):
     super().__init__()
     self.backup, self.step = backup, step
 
-  def on_train_batch_end(self, batch, logs=None):
+  def on_train_batch_begin(self, batch, logs=None):
+    # The next step begins: every callback, the backup last, has ended step `step`.
     if (self.backup.restored_step is None
         and int(self.model.optimizer.iterations.numpy()) == self.step):
       os.kill(os.getpid(), signal.SIGKILL)
@@ -55,7 +56,7 @@ def main(backup_dir, kill_at):
   model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="out")], name="m")
   model.compile(keras.optimizers.SGD(0.01), "mse")
   backup = tfdp.callbacks.BackupAndRestore(backup_dir, save_freq=5)
-  # After the backup's own batch end: the step is counted before the kill.
+  # The kill comes after the backup's batch end: the step is counted before it.
   model.fit(x, y, batch_size=8, epochs=4, verbose=0,
             callbacks=[backup, _KillAt(backup, int(kill_at))])
   print(f"trained to step {int(model.optimizer.iterations.numpy())}, "
