@@ -91,10 +91,12 @@ class Watch:
   def _check_size(self, backup) -> None:
     """Once a backup is committed: one warning if the per-worker state (the data position) dominates it."""
     prefix = backup.manager.latest_checkpoint
-    man = manifest_lib.read_manifest(prefix) if prefix else None
+    if not prefix:
+      return
+    self.size_checked = True  # TF's own checkpoints have no manifest: nothing to say of them.
+    man = manifest_lib.read_manifest(prefix)
     if man is None:
       return
-    self.size_checked = True
     per_worker = [int(w.get("per_worker_bytes", 0)) for w in man.writers.values()]
     if not man.total_bytes or sum(per_worker) <= 0.5 * man.total_bytes:
       return

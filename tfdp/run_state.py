@@ -97,6 +97,7 @@ class MetricStates(trackable_base.Trackable):
   def __init__(self, backup):
     self._backup = backup
     self.restored = None  # {key: [dtype, shape, values]} of the last restore, until applied.
+    self._read = None  # (the parts, one traced function reading them all)
 
   def _parts(self) -> dict:
     """{key: one local replica's copy of one metric variable} of the model now."""
@@ -114,12 +115,20 @@ class MetricStates(trackable_base.Trackable):
   def tfdp_required(self) -> bool:
     return bool(self._parts())
 
+  def _values(self, parts: dict) -> list:
+    """The parts' values, read in one call of a traced function (an eager read each costs ~50 us)."""
+    ids = tuple(map(id, parts.values()))
+    if self._read is None or self._read[0] != ids:
+      listed = list(parts.values())
+      self._read = (ids, tf.function(lambda: [p.read_value() for p in listed], autograph=False),
+                    listed)  # Holds the parts: their ids stay theirs.
+    return [t.numpy() for t in self._read[1]()] if parts else []
+
   def _serialize_to_tensors(self):
-    parts = {}
-    for key, part in self._parts().items():
-      value = part.numpy()
-      parts[key] = [value.dtype.name, list(value.shape), value.ravel().tolist()]
-    return {"state": tf.constant(json.dumps(parts))}
+    parts = self._parts()
+    state = {key: [value.dtype.name, list(value.shape), value.ravel().tolist()]
+             for key, value in zip(parts, self._values(parts))}
+    return {"state": tf.constant(json.dumps(state))}
 
   def _restore_from_tensors(self, restored_tensors):
     self.restored = json.loads(restored_tensors["state"].numpy().decode())
