@@ -30,6 +30,8 @@ def test_a_worker_other_than_the_chief_prints_nothing_unless_every_worker_is_ask
 
 
 def test_tfdp_backups_come_after_the_other_callbacks():
+  from tfdp import callbacks  # pylint: disable=g-import-not-at-top
+
   class Last(keras.callbacks.Callback):
     tfdp_runs_last = True
 
@@ -37,3 +39,6 @@ def test_tfdp_backups_come_after_the_other_callbacks():
   assert fit_hooks.runs_last([last, a, b]) == [a, b, last]
   assert fit_hooks.runs_last((a, last, b)) == [a, b, last]
   assert fit_hooks.runs_last(None) is None
+  # tfdp's own callbacks go with it, in their order (tfdp-train times its saves so).
+  timer = callbacks.Throughput(8)
+  assert fit_hooks.runs_last([timer, a, last, b]) == [a, b, timer, last]

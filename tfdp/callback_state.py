@@ -216,10 +216,16 @@ class _Hook:
 
 
 def keys(callbacks) -> list[tuple[str, object]]:
-  """(key, callback) of the callbacks with state: `module.Class#n`, n counting callbacks of that class."""
+  """(key, callback) of the callbacks with state: `module.Class#n`, n counting callbacks of that class.
+
+  tfdp's own callbacks (tfdp.summaries' TensorBoard, keyed by the global
+  step) resume from the step; they take part only through the hook.
+  """
   seen, out = {}, []
   for cb in callbacks:
-    if adapter_of(cb) is None:
+    adapter = adapter_of(cb)
+    if adapter is None or (type(cb).__module__.startswith("tfdp.")
+                           and not isinstance(adapter, _Hook)):
       continue
     name = f"{type(cb).__module__}.{type(cb).__qualname__}"
     out.append((f"{name}#{seen.get(name, 0)}", cb))

@@ -12,9 +12,10 @@ below (fix `fit_data_state`; probed, revertible) so that while `fit` runs:
   any data (the restored iterator is already there); an epoch resumed after
   its last step runs no step and logs the restored metrics of the whole
   epoch (`wrap_metrics_or_logs`);
-- callbacks that set `tfdp_runs_last` (tfdp's BackupAndRestore) come after
-  the others in every hook, so that a backup holds their state after the
-  step and a restore comes after their `on_train_begin`.
+- tfdp's own callbacks (its BackupAndRestore sets `tfdp_runs_last`) come
+  after the others in every hook, in their order, so that a backup holds
+  the others' state after the step and a restore comes after their
+  `on_train_begin`.
 
 With fix `chief_only_verbose`, workers other than the chief print nothing
 from `fit`, `evaluate`, `predict` (`wrap_quiet`), nor from Keras's own
@@ -127,12 +128,20 @@ def _listed(callbacks) -> list:
   return list(callbacks) if isinstance(callbacks, (list, tuple)) else list(callbacks.callbacks)
 
 
+def _last(callback) -> bool:
+  return (getattr(callback, "tfdp_runs_last", False)
+          or type(callback).__module__.split(".")[0] == "tfdp")
+
+
 def runs_last(callbacks):
-  """`callbacks` with those that set `tfdp_runs_last` moved to the end (a list or tuple; else as given)."""
+  """`callbacks` with tfdp's own (those that set `tfdp_runs_last`, or of tfdp's modules) moved to the end.
+
+  Their order among themselves is kept (tfdp-train brackets its backup with
+  timing markers). A CallbackList is left as given.
+  """
   if not isinstance(callbacks, (list, tuple)):
     return callbacks
-  return ([c for c in callbacks if not getattr(c, "tfdp_runs_last", False)]
-          + [c for c in callbacks if getattr(c, "tfdp_runs_last", False)])
+  return [c for c in callbacks if not _last(c)] + [c for c in callbacks if _last(c)]
 
 
 def wrap_fit(original):

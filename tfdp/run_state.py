@@ -111,9 +111,11 @@ class MetricStates(trackable_base.Trackable):
         out[f"{i}.{r}.{v.path}"] = part
     return out
 
-  @property
-  def tfdp_required(self) -> bool:
-    return bool(self._parts())
+  # Not needed to restore a copy exactly (peer recovery may go without it):
+  # every worker then logs the same sums, of the steps whose state is there.
+  # Where the position follows from the step (tfdp.fit), a worker lost
+  # before its first local save would otherwise leave no step to recover.
+  tfdp_required = False
 
   def _values(self, parts: dict) -> list:
     """The parts' values, read in one call of a traced function (an eager read each costs ~50 us)."""
@@ -137,12 +139,17 @@ class MetricStates(trackable_base.Trackable):
   def apply(self) -> bool:
     """Puts the restored metric state (if any) back into the model's metrics; whether it did."""
     restored, self.restored = self.restored, None
-    if not restored:
-      return False
     run = fit_hooks.current(self._backup.model)
     if run is not None:
       run.build_metrics()
     parts = self._parts()
+    if not parts:
+      return False
+    if restored is None:
+      logging.warning("tfdp: the backup holds no metric state for this worker (an older "
+                      "backup, or a copy recovered from a peer without it); the resumed "
+                      "epoch's metrics leave out its steps before the resume.")
+      return False
     wrong = sorted(k for k in parts if k not in restored or list(parts[k].shape) != restored[k][1])
     if wrong or set(restored) != set(parts):
       logging.warning("tfdp: the backup's metric state does not fit this model's metrics "
