@@ -55,11 +55,12 @@ def fallback_job(root):
   Attempt 0: worker 1's host replaced at step 27. Attempt 1: the peer
   recovery of it, with worker 0 (the holder) SIGKILLed in every transfer
   it sends. Attempt 2: the persistent tier, with a transient read error of
-  ckpt-20 on worker 1 only; worker 1 SIGKILLed (its tier kept) at step 27.
+  ckpt-20 on worker 1 only; worker 1 SIGKILLed (its tier kept) right after
+  the local save of step 25, which attempt 0 had saved too.
   Attempt 3: each worker's own local copy, to the end.
   """
   plan = {"0": {"worker": 1, "step": 27, "wipe": "own"},
-          "2": {"read_error": 1, "ckpt": 20, "worker": 1, "step": 27}}
+          "2": {"read_error": 1, "ckpt": 20, "worker": 1, "step": 25}}
   # One restart more than it needs: a crash loop would use it and fail the
   # test on its count, not on a launcher giving up.
   return _run(root, plan, 4, FT_SAVE_FREQ="10", FT_HOLDER_KILL_FROM="1", FT_NONDETERMINISTIC="1")

@@ -3,7 +3,7 @@
 Usage: ft_fit.py OUT_ROOT (under tfdp-launch --max_restarts). Env:
 - FT_PLAN: JSON {attempt: event} (attempt: TFDP_RESTART_COUNT). Events:
   {"worker": w, "step": s, "wipe": "own"}: worker w SIGKILLs itself at the
-  end of step s (after the callbacks), having deleted its local tier first
+  end of the first step >= s (after the callbacks), having deleted its local tier first
   with "wipe" (a replaced host); {"attack": s}: worker 0 mounts the
   stranger's attacks on both side channels at step s (ft_stranger.py, and
   malformed frames on an authenticated connection), worker 1 then checks
@@ -16,7 +16,9 @@ Usage: ft_fit.py OUT_ROOT (under tfdp-launch --max_restarts). Env:
 - FT_NONDETERMINISTIC=1: op determinism off, and after every step both
   workers add the same tiny number, different in each attempt, to a
   weight: a step computed twice gives other bits, as GPU kernels do.
-Prints "ft_fit: ..." lines: each kill with the worker's newest local save,
+A kill waits (at most 20 s) until the local save before the worker's
+newest is complete on every worker. Prints "ft_fit: ..." lines: each kill
+with the worker's newest local save and the newest step complete everywhere,
 the attack's report, each attempt's restored step.
 """
 
@@ -26,6 +28,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 
 import data_resume  # tests/workers/
 
@@ -89,17 +92,26 @@ def _wrap_batch_end():
     original(self, batch, logs)
     if EVENT.get("attack") == step and ME == 0:
       _attack(self)
-    if ME == 1 and not state["checked"] and os.path.exists(os.path.join(OUT, "attack", "done")):
+    if ME == 1 and "attack" in EVENT and not state["checked"] and os.path.exists(
+        os.path.join(OUT, "attack", "done")):
       state["checked"] = True
       self.manager.sync()
       _check_tier(self, step)
-    if EVENT.get("worker") == ME and EVENT.get("step") == step:
-      self.manager.sync()  # What this worker saved locally is written (or skipped).
+    if EVENT.get("worker") == ME and step >= EVENT.get("step", 1 << 60):
+      self.manager.sync()  # What this worker saved locally is written.
       saved = [int(p.rsplit("-", 1)[1]) for p in self.manager.local_checkpoints()]
+      # The kill comes once the save before the last is complete everywhere
+      # (what the tier then must keep), or 20 s on.
+      tier, every = self.manager._local, self.manager.local_interval  # pylint: disable=protected-access
+      deadline = time.monotonic() + 20
+      while saved and (tier.generations.floor or -1) < max(saved) - every and (
+          time.monotonic() < deadline):
+        time.sleep(0.01)
       if EVENT.get("wipe") == "own":
         shutil.rmtree(_local_dir(self), ignore_errors=True)
       costs = [f"{1e3 * (b + w):.0f}" for b, w in self.manager._local.costs[-4:]]  # pylint: disable=protected-access
-      say(f"SIGKILL at step {step}, last local save {max(saved) if saved else None}, "
+      say(f"SIGKILL at step {step}, last local save {max(saved) if saved else None} (of {saved}), "
+          f"complete everywhere {tier.generations.floor}, "
           f"wiped {EVENT.get('wipe')}, {self.manager.local_saves_skipped} local saves skipped "
           f"(the last cost {costs} ms)")
       os.kill(os.getpid(), signal.SIGKILL)

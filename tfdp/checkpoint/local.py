@@ -102,7 +102,8 @@ class LocalTier:
   """One worker's local copies: `<root>/worker-<index>/<name>-<step>`, each a whole checkpoint.
 
   Saves run in a thread of their own (`save`); one while the previous is
-  still being written is skipped, so training never waits for this tier.
+  still being written waits for it (the newest one only), so training never
+  waits for this tier.
   What stays is decided by `generations.Generations`: the newest step
   complete on every worker (copies and per-worker states), and newer ones.
 
@@ -141,6 +142,8 @@ class LocalTier:
     self._timeout = timeout
     self._session = ""
     self._writer = async_writer.AsyncWriter()
+    self._writing = False  # A save is being written; the next waits in `_pending`.
+    self._pending = None
     self.link = None  # The side channel to the other workers (tfdp.checkpoint.peers).
 
   def connect(self) -> None:
@@ -214,10 +217,10 @@ class LocalTier:
   # -- saving --
 
   def busy(self) -> bool:
-    """Whether a save is being written (a new one would be skipped)."""
-    return self._writer.running()
+    """Whether a save is being written (a new one would wait for it)."""
+    return self._writing
 
-  def save(self, step: int, take, meta) -> str | None:
+  def save(self, step: int, take, meta) -> str:
     """Saves local copy `step` of the Items `take()` returns, written in the background.
 
     Blocks only for `take()`: a snapshot (reads that alias the variables'
@@ -225,6 +228,9 @@ class LocalTier:
     variant of an iterator's position. The writer thread writes and commits
     the copy (tfdp.checkpoint.copies), sends the per-worker state to the
     neighbour, reports the step done, and lets go what `generations` says.
+    A save while the previous one is being written waits for it, in place
+    of any save waiting already (counted in `skipped`): the newest save due
+    is always written, on every worker, so the workers' copies meet at it.
     A copy of the same step already held (an earlier attempt's) is replaced.
 
     Args:
@@ -233,41 +239,56 @@ class LocalTier:
       meta: `fn()` -> the save's SaveMeta, called after `take`.
 
     Returns:
-      The prefix, or None when skipped because the previous save is still
-      being written.
+      The prefix.
     """
-    if self.busy():
-      self.skipped += 1
-      return None
     start = time.perf_counter()
-    self.wait()
     prefix = self.layout.prefix(step)
     items = items_lib.snapshot(take())
-    meta = meta()  # After take(): what it took decides some fields.
+    job = (step, prefix, items, meta())  # meta after take(): what it took decides some fields.
     blocked = time.perf_counter() - start
     self._blocked_total += blocked
-
-    def write():
-      with self._lock:
-        stale = step in self._copies
-      if stale:  # An earlier attempt's copy of this number never stands in for this save.
-        self.delete(prefix)
-      copies.write(prefix, items, self._base(meta), self.worker)
-      with self._lock:
-        self._copies[step] = prefix
-      if self.link is not None:
-        sent = self._replicate(step, items)
-        if sent is False:  # Not kept by the neighbour: this worker's part is not done.
-          self.prune()
-          return
-        # A neighbour that kept the state knows; the others are told.
-        self.link.report_done(step, skip=(self.link.neighbour,) if sent else ())
-      self.generations.done(self.worker, step)
-      self.prune()
-
-    self._writer.submit(write)
     self._blocked.append(blocked)
+    with self._lock:
+      if self._writing:
+        self.skipped += self._pending is not None
+        self._pending = job
+        return prefix
+      self._writing = True
+    self.wait()  # A failed save before this one is logged here; training goes on.
+    self._writer.submit(lambda: self._drain(job))
     return prefix
+
+  def _drain(self, job):
+    """The writer thread: writes `job`, then whatever save came meanwhile."""
+    error = None
+    while job is not None:
+      try:
+        self._write(*job)
+      except Exception as e:  # pylint: disable=broad-except
+        error = error or e
+      with self._lock:
+        job, self._pending = self._pending, None
+        self._writing = job is not None
+    if error is not None:
+      raise error
+
+  def _write(self, step, prefix, items, meta):
+    with self._lock:
+      stale = step in self._copies
+    if stale:  # An earlier attempt's copy of this number never stands in for this save.
+      self.delete(prefix)
+    copies.write(prefix, items, self._base(meta), self.worker)
+    with self._lock:
+      self._copies[step] = prefix
+    if self.link is not None:
+      sent = self._replicate(step, items)
+      if sent is False:  # Not kept by the neighbour: this worker's part is not done.
+        self.prune()
+        return
+      # A neighbour that kept the state knows; the others are told.
+      self.link.report_done(step, skip=(self.link.neighbour,) if sent else ())
+    self.generations.done(self.worker, step)
+    self.prune()
 
   @property
   def costs(self) -> list[tuple[float, float]]:

@@ -222,7 +222,7 @@ class CheckpointManager:
                              doc="This worker's local-tier directory.")
   local_saves_skipped = property(
       lambda self: self._local.skipped if self._local else 0,
-      doc="Local saves skipped because the previous one was still being written.")
+      doc="Local saves never written: a newer one came while they waited for the previous one.")
 
   def local_checkpoints(self) -> list[str]:
     """Prefixes of this worker's committed local checkpoints, oldest first."""
@@ -284,20 +284,20 @@ class CheckpointManager:
       self.save_local(step)
     return prefix
 
-  def save_local(self, step: int | None = None) -> str | None:
+  def save_local(self, step: int | None = None) -> str:
     """Saves a whole copy of the state to this worker's local tier, in the background.
 
     It blocks only to take the state (a host snapshot, as an async save);
-    each worker writes its own copy without talking to the others, so the
-    workers may call it at different steps. A save while the previous one
-    is still being written is skipped (counted in `local_saves_skipped`);
-    a failed local save is logged, and training goes on.
+    the copy is written in the background, its per-worker state sent to the
+    neighbour. A save while the previous one is still being written waits
+    for it, in place of any save waiting already (counted in
+    `local_saves_skipped`); a failed local save is logged, and training goes on.
 
     Args:
       step: the global step (default: `step_counter`'s value).
 
     Returns:
-      The local prefix, or None when skipped.
+      The local prefix.
 
     Raises:
       ConfigError: the manager has no local tier, or no step is known.
