@@ -147,14 +147,19 @@ def discard_incoming(layout: layout_lib.Layout, step: int) -> None:
       fs.remove(path)
 
 
-def committed(layout: layout_lib.Layout) -> dict[int, str]:
-  """{step: prefix} of the copies in `layout`'s folder with a manifest."""
-  return {layout_lib.number_of(p): p for p in catalog.committed(layout)}
+def committed(layout: layout_lib.Layout) -> list[int]:
+  """The steps of the copies in `layout`'s folder with a manifest."""
+  return [layout_lib.number_of(p) for p in catalog.committed(layout)]
 
 
-def delete(layout: layout_lib.Layout, prefix: str) -> None:
-  """Deletes copy `prefix`: its manifest first, so a crash leaves no committed half."""
-  for path in [layout_lib.manifest_path(prefix)] + catalog.files_of(layout, prefix):
+def delete(layout: layout_lib.Layout, prefix: str,
+           man: manifest_lib.Manifest | None = None) -> None:
+  """Deletes copy `prefix`: its manifest first, so a crash leaves no committed half.
+
+  With its manifest, the files it names; without, what the folder holds of it.
+  """
+  rest = files(prefix, man) if man is not None else catalog.files_of(layout, prefix)
+  for path in [layout_lib.manifest_path(prefix)] + rest:
     try:
       os.remove(path)
     except OSError:

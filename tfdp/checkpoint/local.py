@@ -133,8 +133,8 @@ class LocalTier:
     self.skipped = 0
     # The seconds the caller was blocked in the latest saves (`costs`).
     self._blocked = collections.deque(maxlen=16)
-    # step -> prefix of this worker's committed copies; the writer thread,
-    # the side channel's and the caller's change and read it under `_lock`.
+    # step -> manifest of this worker's committed copies (None: unread); the
+    # writer thread, the side channel's and the caller's use it under `_lock`.
     self._copies = {}
     self._lock = threading.RLock()
     self.generations = generations.Generations(me.count)
@@ -212,7 +212,9 @@ class LocalTier:
     copies.cleanup(self.layout, session)
     self.replicas.cleanup()
     with self._lock:
-      self._copies = copies.committed(self.layout)
+      self._copies = dict.fromkeys(copies.committed(self.layout))
+    if self.num_workers == 1:
+      self.replicas.drop()  # Of an earlier job of several workers.
 
   # -- saving --
 
@@ -277,9 +279,9 @@ class LocalTier:
       stale = step in self._copies
     if stale:  # An earlier attempt's copy of this number never stands in for this save.
       self.delete(prefix)
-    copies.write(prefix, items, self._base(meta), self.worker)
+    man = copies.write(prefix, items, self._base(meta), self.worker)
     with self._lock:
-      self._copies[step] = prefix
+      self._copies[step] = man
     if self.link is not None:
       sent = self._replicate(step, items)
       if sent is False:  # Not kept by the neighbour: this worker's part is not done.
@@ -348,7 +350,7 @@ class LocalTier:
     self.delete(self.layout.prefix(step))
     man = copies.adopt(self.layout, step, offered, items, base, self.worker)
     with self._lock:
-      self._copies[step] = self.layout.prefix(step)
+      self._copies[step] = man
     self.prune()
     return Held(step, self.layout.prefix(step), man)
 
@@ -368,7 +370,7 @@ class LocalTier:
   def committed(self) -> list[str]:
     """Prefixes of this worker's committed local checkpoints, oldest first."""
     with self._lock:
-      return [self._copies[s] for s in sorted(self._copies)]
+      return [self.layout.prefix(s) for s in sorted(self._copies)]
 
   def held(self) -> list[Held]:
     """This worker's intact local checkpoints of this run, newest first.
@@ -397,21 +399,23 @@ class LocalTier:
           logging.warning("tfdp: deleting local checkpoint %s: %s", prefix, problem)
         self.delete(prefix)
         continue
+      with self._lock:
+        if layout_lib.number_of(prefix) in self._copies:
+          self._copies[layout_lib.number_of(prefix)] = man
       out.append(Held(man.step, prefix, man))
     return out
 
   def delete(self, prefix: str) -> None:
     """Deletes local copy `prefix`: its manifest first, so a crash leaves no committed half."""
     with self._lock:
-      self._copies.pop(layout_lib.number_of(prefix), None)
-      copies.delete(self.layout, prefix)
+      copies.delete(self.layout, prefix, self._copies.pop(layout_lib.number_of(prefix), None))
 
   def prune(self) -> None:
     """Lets go of the copies and kept states that `generations` no longer needs."""
     with self._lock:
       for step in self.generations.doomed(self._copies):
         self.delete(self.layout.prefix(step))
-      for source in self.replicas.sources():
+      for source in self.replicas.sources() if self.link is not None else ():
         kept = self.replicas.steps(source)
         if self.link is not None and source != self.link.left:
           doomed = kept  # Of a neighbour of another world size.
