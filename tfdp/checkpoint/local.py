@@ -1,6 +1,5 @@
 """The local checkpoint tier: each worker's own whole copies in host memory, written in the background."""
 
-import collections
 import dataclasses
 import os
 import threading
@@ -12,6 +11,7 @@ from absl import logging
 from tfdp import cluster
 from tfdp import errors
 from tfdp.checkpoint import async_writer
+from tfdp.checkpoint import cadence as cadence_lib
 from tfdp.checkpoint import copies
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import generations
@@ -26,10 +26,8 @@ from tfdp.checkpoint import wire
 
 LOCAL_KEEP = generations.LOCAL_KEEP
 # With local_checkpoint_every_steps="auto": the share of the training time
-# local saves may cost (their blocked time and their writer's CPU), and how
-# often (in steps) the workers measure and agree on the interval again.
+# local saves may cost (their blocked time and their writer's CPU).
 DEFAULT_OVERHEAD = 0.02
-AGREE_EVERY_STEPS = 25
 
 
 def ensure_token(layout: layout_lib.Layout) -> str:
@@ -123,16 +121,9 @@ class LocalTier:
     self.worker = me.index
     self.num_workers = me.count
     self.every_steps = every_steps
-    self._auto = policy.EveryAutoSteps(overhead) if every_steps == "auto" else None
-    rule = self._auto or (policy.EveryNSteps(every_steps) if every_steps else None)
-    self._cadence = policy.Cadence(*((rule,) if rule else ()))
-    self._window = policy.Cadence(policy.EveryNSteps(AGREE_EVERY_STEPS))
-    self._window_start = None  # (time, step, blocked so far) where the window began.
-    self._blocked_total = 0.0
+    self.cadence = cadence_lib.LocalCadence(every_steps, overhead, me)
     self.token = ""
     self.skipped = 0
-    # The seconds the caller was blocked in the latest saves (`costs`).
-    self._blocked = collections.deque(maxlen=16)
     # step -> manifest of this worker's committed copies (None: unread); the
     # writer thread, the side channel's and the caller's use it under `_lock`.
     self._copies = {}
@@ -166,44 +157,11 @@ class LocalTier:
   @property
   def interval(self) -> int | None:
     """The steps between local saves now (with "auto": the agreed one)."""
-    return self._auto.interval if self._auto else self.every_steps
+    return self.cadence.interval
 
   def due(self, step: int) -> bool:
-    """Whether the training loop saves locally after `step` (every worker calls it at every step).
-
-    With "auto", every AGREE_EVERY_STEPS steps the workers measure what a
-    save cost (its blocked time plus its writer's CPU, the median of the
-    last ones) against the time a step took in the window, and agree (one
-    small all-reduce, the largest proposal) on the smallest interval within
-    the overhead budget; before the first window, every step.
-    """
-    if self._auto is not None:
-      self._retune(step)
-    return self._cadence.due(step)
-
-  def _retune(self, step):
-    now = time.perf_counter()
-    if self._window_start is None:
-      self._window.start(step)
-      self._window_start = (now, step, self._blocked_total)
-      return
-    if not self._window.due(step):
-      return
-    t0, s0, blocked0 = self._window_start
-    self._window_start = (now, step, self._blocked_total)
-    costs = sorted(b + w for b, w in self.costs)
-    cost = costs[len(costs) // 2] if costs else None
-    step_seconds = max(0.0, now - t0 - (self._blocked_total - blocked0)) / max(1, step - s0)
-    proposal = (self._auto.interval if cost is None
-                else self._auto.interval_for(cost, step_seconds))
-    if self.me.count > 1:
-      proposal = int(cluster.agree(proposal, "max", self.me.strategy))
-    if proposal != self._auto.interval:
-      self._auto.interval = proposal
-      if self.me.is_chief:
-        logging.info("tfdp: local saves every %d step(s): a save costs %.1f ms (blocked plus "
-                     "its writer's CPU), a step %.1f ms, the budget is %.0f%%.", proposal,
-                     1e3 * (cost or 0.0), 1e3 * step_seconds, 100 * self._auto.budget)
+    """Whether the training loop saves locally after `step` (every worker calls it at every step)."""
+    return self.cadence.due(step, lambda: self.costs)
 
   def start(self, token: str, session: str) -> None:
     """Makes the directory and removes what torn saves and cut-short transfers left."""
@@ -247,9 +205,7 @@ class LocalTier:
     prefix = self.layout.prefix(step)
     items = items_lib.snapshot(take())
     job = (step, prefix, items, meta())  # meta after take(): what it took decides some fields.
-    blocked = time.perf_counter() - start
-    self._blocked_total += blocked
-    self._blocked.append(blocked)
+    self.cadence.note_blocked(time.perf_counter() - start)
     with self._lock:
       if self._writing:
         self.skipped += self._pending is not None
@@ -295,7 +251,7 @@ class LocalTier:
   @property
   def costs(self) -> list[tuple[float, float]]:
     """(seconds the caller was blocked, the writer thread's CPU seconds) of the latest saves."""
-    return list(zip(self._blocked, self._writer.cpu_seconds))
+    return list(zip(self.cadence.blocked, self._writer.cpu_seconds))
 
   def _base(self, meta) -> manifest_lib.Manifest:
     """The manifest fields of a save with `meta` known before it is written."""

@@ -87,10 +87,8 @@ class CheckpointManager:
     verify_on_restore: check file sizes before restoring.
     keep_every_n_hours: deprecated name of keep_checkpoint_every_n_hours.
     local_checkpoint_dir: the local tier: a per-host directory (default,
-      with local_checkpoint_every_steps: under /dev/shm) where each worker
-      keeps whole copies of the state, saved by `save_local()` in the
-      background, the newest LOCAL_KEEP (2) kept. Restores then take the
-      newest state any worker can have (see restore_newest_intact).
+      with local_checkpoint_every_steps: under /dev/shm) of whole copies of
+      the state, saved by `save_local()` in the background (docs/tiers.md).
     local_checkpoint_every_steps: how often the training loop saves locally
       (asked through `local_due(step)`, by tfdp.callbacks and by `save()`
       with a `step_counter`): an int N (whenever the step reaches or

@@ -105,16 +105,25 @@ def restore_newest(checkpoint, tier: local_lib.LocalTier | None, me: cluster.Wor
   logs one line: what was tried, and what was restored. A fresh start (None)
   deletes the local copies, as a restore deletes those newer than it.
   """
-  found, tried = None, []
+  found, tried, applied = None, [], False
+  restorer.applied = False
   if tier is not None:
     tier.wait()
     tiered = TieredRestore(checkpoint, tier, me, restorer.restore_per_worker)
     found = tiered.run(restorer.newest_step(), before_restore)
-    tried = tiered.tried
+    tried, applied = tiered.tried, tiered.applied
   found = found or restorer.newest_intact(before_restore, tried)
   if tried and me.is_chief:
     logging.warning("tfdp: restore: tried %s; restored %s.", ", then ".join(tried),
                     f"{found.prefix} ({found.tier} tier)" if found else "nothing (a fresh start)")
+  if found is None and tried and cluster.agree(
+      1.0 if applied or restorer.applied else 0.0, "max", me.strategy):
+    # A failed attempt restored part of the state on some worker: starting
+    # over now would start the workers from different states.
+    raise errors.CheckpointError(
+        f"Nothing could be restored ({', then '.join(tried)}), and a failed attempt had "
+        "already restored part of the state on a worker: not starting over with it. Run "
+        "the job again: what failed is deleted or set aside, so it starts over cleanly.")
   if found is None and tier is not None:
     tier.restored(None, None)
   return found
@@ -161,6 +170,7 @@ class TieredRestore:
     self.tried = []  # What was tried and failed, for the one line the caller logs.
     self._received = None  # This worker's copy made of what a peer sent.
     self._refusal = None  # What before_restore raised on this worker.
+    self.applied = False  # A restore of a failed attempt changed this worker's state.
 
   def run(self, persistent_step: int | None, before_restore=None) -> restore_lib.Restored | None:
     """Restores from the local tiers; None: use the persistent tier (nothing was restored)."""
@@ -256,6 +266,7 @@ class TieredRestore:
         self._refusal = e
         return REFUSED
     try:
+      self.applied = True  # From here on the state may be changed, even if it fails.
       restore_lib.restore_verified(self._checkpoint, held.prefix, held.manifest)
       if per_worker:
         self._restore_per_worker(held.prefix, held.manifest)

@@ -152,6 +152,7 @@ class Restorer:
     self._per_worker = per_worker
     self._verify = verify_sizes
     self._lease = lease
+    self.applied = False  # A restore of newest_intact changed this worker's state.
 
   def candidates(self):
     """Yields (prefix, manifest) of the checkpoints, newest first (nothing checked yet)."""
@@ -266,6 +267,7 @@ class Restorer:
           before_restore(prefix)
         except Exception as e:  # pylint: disable=broad-except
           return REFUSED, e
+      self.applied = True  # From here on the state may be changed, even if it fails.
       restore_verified(self._checkpoint, prefix, man)
       self.restore_per_worker(prefix, man)
       return OK, None
