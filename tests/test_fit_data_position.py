@@ -148,10 +148,10 @@ def two_workers(two_worker_reference_runs, tmp_path_factory):
 
   "ref" and "ref_root": the shared uninterrupted job (two_worker_reference_runs);
   cut/MODE killed at TWO_WORKER_CUTS (worker 1 is SIGKILLed), then resumed;
-  replaced/data the same as cut/data with worker 1's local tier deleted as it
-  is killed; moved/finite: the killed finite backup on 1 worker;
-  "manifest-finite": the newest manifest of cut/finite at the kill. The three
-  chains run two at a time.
+  moved/finite: the killed finite backup on 1 worker; "manifest-finite":
+  the newest manifest of cut/finite at the kill. The two chains run at once.
+  A replaced host (worker 1's local tier deleted as it is SIGKILLed) is
+  tests/test_recovery.py's, 5 times in one job.
   """
   root = tmp_path_factory.mktemp("two_workers")
 
@@ -183,18 +183,9 @@ def two_workers(two_worker_reference_runs, tmp_path_factory):
   def data():
     return {"killed-data": killed("data"), "resumed-data": resumed("data")}
 
-  def replaced():
-    # Worker 1's host replaced: its local tier deleted as it is SIGKILLed.
-    kill_at, env = TWO_WORKER_CUTS["data"]
-    return {"killed-replaced": launch_workers(
-                [sys.executable, SCRIPT, str(root / "replaced"), "data"],
-                env=dict(env, TFDP_TEST_KILL_AT=str(kill_at), TFDP_TEST_KILL_WORKER="1",
-                         TFDP_TEST_WIPE_LOCAL="1")),
-            "resumed-replaced": resumed("data", "replaced")}
-
   runs = {"ref": two_worker_reference_runs["ref"],
           "ref_root": pathlib.Path(two_worker_reference_runs["root"])}
-  for chain in run_all([finite, data, replaced]):
+  for chain in run_all([finite, data]):
     runs.update(chain)
   return root, runs
 
@@ -234,25 +225,3 @@ def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode):
   ref = _weights(runs["ref_root"] / "ref", mode)
   for worker in (0, 1):
     np.testing.assert_array_equal(ref, _weights(cut, mode, worker))
-
-
-def test_a_replaced_worker_resumes_from_the_local_tier_with_its_data_position_from_its_peer(
-    two_workers):
-  """Worker 1 SIGKILLed with its local tier deleted: its peer holds a copy of both.
-
-  The restart takes step 10 from the local tier, worker 1's share (its
-  iterator's state included) sent by worker 0, not the persistent step 9.
-  """
-  root, runs = two_workers
-  code, out = runs["killed-replaced"]
-  assert code != 0, out[-3000:]
-  code, out = runs["resumed-replaced"]
-  assert code == 0, out[-3000:]
-  assert len(re.findall(r"RESULT mode=data worker=\d steps=\d+ restored=10\b", out)) == 2, (
-      out[-3000:])
-  assert re.search(r"tfdp: resumed from \S+/ckpt-10 \(the (local|peer) tier\) at step 10 "
-                   r"\(epoch 1, step 10 of it; data position restored, [\d.]+ KB per worker"
-                   r"(; the epoch's steps are done, its end runs again)?\)", out), out[-3000:]
-  ref = _weights(runs["ref_root"] / "ref", "data")
-  for worker in (0, 1):
-    np.testing.assert_array_equal(ref, _weights(root / "replaced", "data", worker))

@@ -178,3 +178,39 @@ def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(refused_job_run
   assert "[worker 1] refused: The chief could not start checkpointing" in out, out[-3000:]
   assert "not refused" not in out
   assert _lease(d)["pid"] == refused_job_runs["holder_pid"]
+
+
+def test_a_writer_that_lost_its_lease_does_not_commit(tmp_path, caplog):
+  """Fencing: the chief re-reads the lease just before its commit point (finding 4)."""
+  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  d = str(tmp_path)
+  mgr = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), d)
+  mgr.save()
+  # A newer job takes the directory over while this chief's save is under
+  # way (its heartbeat had gone stale: it stalled past the lease's lifetime).
+  faults.install(lambda phase, worker: phase == "during_commit" and _write_lease(
+      d, session="newer", host="elsewhere", pid=4242))
+  try:
+    with pytest.raises(errors.CheckpointError) as e:
+      mgr.save()
+  finally:
+    faults.install(None)
+  assert "is now held by job session newer (host elsewhere, pid 4242" in str(e.value)
+  assert not os.path.exists(os.path.join(d, "ckpt-2.manifest.json"))
+  with pytest.raises(errors.CheckpointError, match="session newer"):
+    mgr.save()  # Again: never a commit in a directory another job holds.
+  assert _lease(d)["session"] == "newer"
+
+
+def test_the_renewer_says_when_another_job_took_the_lease(tmp_path, monkeypatch, caplog):
+  monkeypatch.setattr(lease_lib, "RENEW_S", 0.05)
+  d = str(tmp_path)
+  mgr = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0.0)), d)
+  _write_lease(d, session="newer", host="elsewhere", pid=4242)
+  deadline = time.time() + 10
+  with caplog.at_level("ERROR"):
+    while "is now held by job session newer" not in caplog.text and time.time() < deadline:
+      time.sleep(0.05)
+  assert "is now held by job session newer" in caplog.text
+  assert _lease(d)["session"] == "newer"  # Not renewed over the other job's.
+  del mgr

@@ -1,5 +1,6 @@
 """The local checkpoint tier in one process: the choice of what to restore, what peers send, fallbacks."""
 
+import dataclasses
 import os
 import shutil
 
@@ -14,18 +15,20 @@ from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import manifest as manifest_lib
-from tfdp.checkpoint import peers
+from tfdp.checkpoint import copies
+from tfdp.checkpoint import generations
 from tfdp.checkpoint import planner
 from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint import recovery
+from tfdp.checkpoint import storage
+from tfdp.checkpoint import wire
 
 
-def _row(persistent, *held, kept=()):
+def _row(persistent, *held, kept=(), no_peer=False, link=True):
   """An `offer` row: held = (step, required) pairs, newest first; kept: steps of the left neighbour's per-worker state."""
-  row = [0.0 if persistent is None else persistent + 1.0]
-  for i in range(recovery.LOCAL_KEEP):
-    row += [held[i][0] + 1.0, float(held[i][1])] if i < len(held) else [0.0, 0.0]
-  return row + [kept[i] + 1.0 if i < len(kept) else 0.0 for i in range(recovery.LOCAL_KEEP)]
+  copies = [local_lib.Held(step, f"ckpt-{step}", manifest_lib.Manifest(
+      0, step, per_worker_required=bool(required))) for step, required in held]
+  return recovery.offer(copies, persistent, kept, no_peer=no_peer, link=link)
 
 
 @pytest.mark.parametrize("rows,expected", [
@@ -91,8 +94,8 @@ def _assert_bitwise(got, value, key):
 
 def test_per_worker_tensors_cross_the_side_channel_bitwise_for_every_dtype():
   """-0.0, NaN payloads, odd dtypes and strings: what a neighbour keeps and sends back."""
-  description, blobs = peers.tensors_to_wire(_VALUES)
-  out = peers.tensors_from_wire(description, [bytes(b) for b in blobs])
+  description, blobs = wire.tensors_to_wire(_VALUES)
+  out = wire.tensors_from_wire(description, [bytes(b) for b in blobs])
   for key, value in _VALUES.items():
     _assert_bitwise(out[key], value, key)
 
@@ -113,15 +116,15 @@ def test_a_copy_sent_by_a_peer_becomes_this_workers_own_and_restores_bitwise(tmp
   meta = manifest_lib.SaveMeta.new(7, 7, None, None, ["data"], tier="local", run_token="token")
   holder.save(7, lambda: items, lambda: meta)
   holder.wait()
-  (prefix,) = holder.committed()
-  files = holder.files_of(prefix)
-  header = {"kind": "copy", "step": 7, "files": [os.path.basename(f) for f in files],
-            "manifest": manifest_lib.read_manifest(prefix).to_json()}
-  paths = receiver._spool(header)  # pylint: disable=protected-access  # Where the bytes land.
+  (held,) = holder.held()
+  files = holder.files_of(held)
+  # What the side channel checks and where it writes, from the offer's manifest.
+  offered, paths = copies.incoming(receiver.layout, 7, held.manifest.to_json(),
+                                   [os.path.getsize(f) for f in files])
   for src, dst in zip(files, paths):
     shutil.copyfile(src, dst)
   own = {"data": tf.constant(b"receiver's position")}
-  held = receiver.receive(7, header, paths, own)
+  held = receiver.receive(7, offered, own)
   assert held.prefix == str(tmp_path / "w1" / "ckpt-7") and receiver.held()[0].step == 7
   manifest_lib.verify(held.prefix)
   fresh = {k: tf.Variable(tf.zeros_like(v)) for k, v in state.items()}
@@ -131,25 +134,39 @@ def test_a_copy_sent_by_a_peer_becomes_this_workers_own_and_restores_bitwise(tmp
   reader = tf.train.load_checkpoint(held.prefix)
   assert reader.get_tensor(layout_lib.per_worker_prefix(1) + "data") == b"receiver's position"
   assert not [f for f in os.listdir(tmp_path / "w1") if f.startswith("received")]
+  # A received copy (two data files, worker 0's state in it) sent back to a
+  # replaced worker 0: its manifest describes every data file, and worker
+  # 0's state is the one the copy holds.
+  paths = copies.incoming(holder.layout, 7, held.manifest.to_json(),
+                          [os.path.getsize(f) for f in receiver.files_of(held)])[1]
+  holder.delete(holder.layout.prefix(7))
+  for src, dst in zip(receiver.files_of(held), paths):
+    shutil.copyfile(src, dst)
+  again = holder.receive(7, held.manifest, {"data": tf.constant(b"holder's position")})
+  assert again.manifest.num_shards == 2 and again.manifest.per_worker_required
+  manifest_lib.verify(again.prefix)
+  reader = tf.train.load_checkpoint(again.prefix)
+  assert reader.get_tensor(layout_lib.per_worker_prefix(0) + "data") == b"holder's position"
 
 
 class _Run:
   """A tiny training state with a persistent and a local tier, in one process."""
 
-  def __init__(self, root, local_every=5, every=10):
-    self.root = root
+  def __init__(self, root, local_every=5, every=10, last=None):
+    self.root, self.last = root, last
     self.v = tf.Variable(tf.zeros([64]))
     self.step = tf.Variable(0, dtype=tf.int64)
     self.ckpt = tf.train.Checkpoint(v=self.v, step=self.step)
     self.manager = tfdp.CheckpointManager(
         self.ckpt, os.path.join(root, "model"), step_counter=self.step,
-        checkpoint_interval=every, local_checkpoint_dir=os.path.join(root, "local"),
-        local_checkpoint_every_steps=local_every)
+        checkpoint_interval=every, last_checkpoint_step=last,
+        local_checkpoint_dir=os.path.join(root, "local"), local_checkpoint_every_steps=local_every)
 
-  def train(self, to):
+  def train(self, to, bump=0.0):
+    """Steps to `to`; `bump` changes what a step adds (other bits, as nondeterministic kernels give)."""
     for i in range(int(self.step.numpy()) + 1, to + 1):
       self.step.assign(i)
-      self.v.assign_add(tf.fill([64], float(i)))
+      self.v.assign_add(tf.fill([64], float(i) + bump))
       self.manager.save()
       # A local save while the previous one is being written is skipped:
       # waiting makes which steps are kept certain.
@@ -158,7 +175,7 @@ class _Run:
   def restart(self):
     self.manager.close()
     return _Run(self.root, self.manager.local_checkpoint_every_steps,
-                self.manager.checkpoint_interval)
+                self.manager.checkpoint_interval, self.last)
 
   def value_at(self, step):
     return np.full([64], sum(range(1, step + 1)), np.float32)
@@ -225,6 +242,163 @@ def test_local_copies_of_an_earlier_run_in_the_same_place_are_ignored(run):
   assert int(fresh.step.numpy()) == 0 and fresh.manager.local_checkpoints() == []
 
 
+def test_a_local_restore_that_fails_moves_on_and_a_restart_does_not_try_it_again(run, monkeypatch,
+                                                                               caplog):
+  """Finding 1: a read error of the local copy (not damage) was fatal, and again at every restart."""
+  run.train(27)  # Persistent at steps 1, 11, 21; local at 20 and 25.
+  real = restore_lib.restore_verified
+
+  def flaky(checkpoint, prefix, man):
+    if "worker-0" in prefix:
+      raise tf.errors.UnavailableError(None, None, "injected: the local copy cannot be read now")
+    return real(checkpoint, prefix, man)
+
+  monkeypatch.setattr(restore_lib, "restore_verified", flaky)
+  again = run.restart()
+  with caplog.at_level("WARNING"):
+    assert again.manager.restore_or_initialize().endswith("model/ckpt-3")
+  assert again.manager.restored_tier == "persistent" and int(again.step.numpy()) == 21
+  (line,) = [r.getMessage() for r in caplog.records if "restore: tried" in r.getMessage()]
+  assert "tried local step 25 (failed on worker(s) [0]); restored" in line and "ckpt-3" in line
+  # The copy that failed is gone: the next restart does not make that choice again.
+  assert [os.path.basename(p) for p in again.manager.local_checkpoints()] == ["ckpt-20"]
+
+
+def test_a_persistent_checkpoint_that_cannot_be_read_now_is_left_as_it_is(tmp_path, monkeypatch):
+  """A transient read error of the newest: the one before is restored, the newest stays on disk
+  (a later save replaces it); with none readable, the restore raises rather than start over."""
+  run = _Run(str(tmp_path), local_every=None)
+  run.train(27)  # ckpt-1..3 at steps 1, 11, 21.
+  real = restore_lib.restore_verified
+  unreadable = {"ckpt-3"}
+
+  def flaky(checkpoint, prefix, man):
+    if os.path.basename(prefix) in unreadable:
+      raise tf.errors.UnavailableError(None, None, "injected: the storage is away")
+    return real(checkpoint, prefix, man)
+
+  monkeypatch.setattr(restore_lib, "restore_verified", flaky)
+  again = run.restart()
+  assert again.manager.restore_or_initialize().endswith("ckpt-2")
+  assert os.path.exists(os.path.join(run.root, "model", "ckpt-3.manifest.json"))
+  again.train(21)  # Saves ckpt-3 again, at step 21 of this attempt.
+  assert manifest_lib.read_manifest(os.path.join(run.root, "model", "ckpt-3")).step == 21
+  unreadable.update({"ckpt-1", "ckpt-2", "ckpt-3"})
+  third = again.restart()
+  with pytest.raises(errors.CheckpointError, match="not starting over"):
+    third.manager.restore_or_initialize()
+  assert sorted(f for f in os.listdir(os.path.join(run.root, "model"))
+                if f.endswith("manifest.json")) == [f"ckpt-{n}.manifest.json" for n in (1, 2, 3)]
+
+
+def test_a_restore_that_failed_half_way_does_not_start_over_with_the_half(tmp_path):
+  """TF may have assigned some variables before a CRC32C failure: a fresh start then would not be one."""
+  run = _Run(str(tmp_path), local_every=None)
+  run.train(5)  # ckpt-1 only (persistent at step 1).
+  data = layout_lib.data_filename(os.path.join(run.root, "model", "ckpt-1"), 0, 1)
+  raw = bytearray(open(data, "rb").read())
+  raw[len(raw) // 2] ^= 0xFF
+  open(data, "wb").write(bytes(raw))
+  again = run.restart()
+  with pytest.raises(errors.CheckpointError, match="not starting over with it"):
+    again.manager.restore_or_initialize()
+  third = again.restart()  # The damaged one was set aside: a clean fresh start.
+  assert third.manager.restore_or_initialize() is None and int(third.step.numpy()) == 0
+
+
+def test_after_a_rollback_no_copy_of_the_abandoned_branch_is_ever_restored(run):
+  """Finding 2: copies newer than a restore stayed, stood in for new saves, and came back at a restart."""
+  run.train(27)  # Local copies at 20 and 25; persistent ckpt-3 at step 21.
+  again = run.restart()
+  again.manager.restore(os.path.join(run.root, "model", "ckpt-3"))  # Back to step 21.
+  assert [os.path.basename(p) for p in again.manager.local_checkpoints()] == ["ckpt-20"]
+  again.train(27, bump=0.5)  # The same steps again, other bits.
+  third = again.restart()
+  assert third.manager.restore_or_initialize().endswith("worker-0/ckpt-25")
+  expected = run.value_at(21) + sum(i + 0.5 for i in range(22, 26))
+  np.testing.assert_array_equal(third.v.numpy(), expected)
+
+
+def test_a_tie_of_the_tiers_restores_the_save_counter_of_the_catalog_and_saves_on(tmp_path):
+  """Finding 5: save() took its local copy before save_counter counted the persistent save of that step."""
+  run = _Run(str(tmp_path), local_every=5, every=10, last=0)
+  run.train(22)  # Persistent ckpt-1 at step 10, ckpt-2 at step 20; local at 15 and 20.
+  again = run.restart()
+  assert again.manager.restore_or_initialize().endswith("worker-0/ckpt-20")
+  assert int(again.ckpt.save_counter.numpy()) == 2
+  again.train(30)
+  assert again.manager.latest_checkpoint.endswith("model/ckpt-3")
+
+
+def test_the_step_counter_is_the_manifests_step_without_an_interval(tmp_path):
+  step = tf.Variable(0, dtype=tf.int64)
+  manager = tfdp.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0), step=step),
+                                   str(tmp_path), step_counter=step)
+  step.assign(40)
+  assert manifest_lib.read_manifest(manager.save()).step == 40
+  assert manifest_lib.read_manifest(manager.save(checkpoint_number=7)).step == 40
+
+
+def test_both_tiers_commit_through_one_path_with_one_typed_manifest(run, monkeypatch):
+  """Finding 7: two commit paths and two manifest writers (and dead fields of SaveJob)."""
+  committed = []
+  real = storage.commit
+
+  def commit(prefix, man, worker, fence=None):
+    committed.append((os.path.relpath(prefix, run.root), type(man)))
+    return real(prefix, man, worker, fence)
+
+  monkeypatch.setattr(storage, "commit", commit)
+  run.train(5)  # Persistent at step 1, local at 5.
+  assert committed == [("model/ckpt-1", manifest_lib.Manifest),
+                       ("local/worker-0/ckpt-5", manifest_lib.Manifest)]
+  assert not hasattr(manifest_lib, "write_manifest_dict")
+  assert not {"owner", "world_size"} & {f.name for f in dataclasses.fields(storage.SaveJob)}
+  local = manifest_lib.read_manifest(run.manager.local_checkpoints()[0])
+  assert (local.tier, local.world_size, local.step) == ("local", 1, 5)
+
+
+def test_a_generation_stays_until_the_next_is_complete_on_every_worker():
+  """The issue's replaced host restarting from step 0: pruning to 2 left no step all held."""
+  g = generations.Generations(2)
+  g.done(0, 24)
+  g.done(1, 24)
+  g.done(0, 26)  # Worker 1's state of 26 not kept yet: 24 is the newest complete.
+  assert g.floor == 24 and g.doomed([22, 24, 26]) == [22]
+  assert g.doomed([24, 26, 28]) == []  # 24 stays, however many saves came since ...
+  assert g.doomed([24, 26, 28, 30, 32]) == [26]  # ... at most 4 kept, never the floor.
+  g.done(1, 28)
+  g.done(0, 28)
+  assert g.floor == 28 and g.doomed([24, 26, 28]) == [24]
+  g.restored(10)  # A restore: what every worker now holds.
+  assert g.floor == 10 and g.doomed([8, 10]) == [] and g.doomed([6, 8, 10]) == [6]
+  single = generations.Generations(1)
+  single.done(0, 5)
+  assert single.doomed([0, 5]) == []  # The newest two, as before.
+
+
+def test_a_replaced_host_finds_a_step_held_everywhere_though_its_sends_failed(tmp_path):
+  """Worker 1's sends fail for a while (its neighbour link reset); worker 0 saves on. Then worker 1 loses its host."""
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  tiers, _ = tier_runs.linked_tiers(str(tmp_path))
+  try:
+    for step in (20, 22):
+      for tier in tiers:
+        tier_runs.save_local(tier, step)
+    tiers[1].link._out[0].shutdown(2)  # pylint: disable=protected-access
+    for step in (24, 26, 28):
+      for tier in tiers:
+        tier_runs.save_local(tier, step)
+    rows = [recovery.offer(tiers[0].held(), None, tiers[0].kept_for_left()),
+            recovery.offer([], None, [])]  # Worker 1: a new host, an empty tier.
+    choice = recovery.choose(np.array(rows))
+    assert (choice.kind, choice.step, choice.per_worker) == ("peer", 22, True), (
+        tiers[0].committed(), tiers[0].kept_for_left())
+  finally:
+    for tier in tiers:
+      tier.close()
+
+
 def test_local_tier_arguments_are_checked(tmp_path):
   ckpt = tf.train.Checkpoint(v=tf.Variable(1.0))
   plain = tfdp.CheckpointManager(ckpt, str(tmp_path / "a"))
@@ -243,16 +417,17 @@ def test_local_tier_arguments_are_checked(tmp_path):
 
 
 def test_a_local_save_never_waits_for_the_previous_one(run):
-  """Training blocks only for the snapshot: a save during the previous write is skipped and counted."""
+  """Training blocks only for the snapshot: a save during the previous write waits, the newest only."""
   from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
   release = threading.Event()
   faults.install(lambda phase, worker: phase == "before_shard" and release.wait(30))
   try:
-    assert run.manager.save_local(3) is not None
-    assert run.manager.save_local(4) is None and run.manager.local_saves_skipped == 1
+    for step in (3, 4, 5):
+      assert run.manager.save_local(step).endswith(f"ckpt-{step}")
+    assert run.manager.local_saves_skipped == 1  # 4: 5 came while it waited.
   finally:
     release.set()
     faults.install(None)
   run.manager.sync()
-  assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-3"]
+  assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-3", "ckpt-5"]

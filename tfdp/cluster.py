@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import secrets
 from typing import Any, Iterable
 
 from tfdp import environment
@@ -293,3 +294,29 @@ def agree(value: float, op: str = "max", strategy: Any = None) -> float:
     raise errors.ConfigError(f"Unknown op {op!r}; choose one of {', '.join(OPS)}.")
   column = gather([value], strategy)[:, 0]
   return float({"max": column.max, "min": column.min, "sum": column.sum}[op]())
+
+
+def shared_secret(me: Worker, nbytes: int = 32) -> bytes:
+  """A random key the chief draws and every worker of the job gets, over the job's own collectives.
+
+  One `gather`: the chief contributes random 32-bit words, the others
+  zeros, and every worker takes the chief's row. It travels only where the
+  job's collectives do (TensorFlow's runtime trusts that network) and is
+  never written to disk; the local tier's side channel authenticates its
+  connections with it (tfdp.checkpoint.wire). Every worker must call it at
+  the same point of the program, as any collective.
+
+  Args:
+    me: this worker (with its strategy when there are several).
+    nbytes: the key's length, a multiple of 4.
+
+  Returns:
+    `nbytes` bytes, the same on every worker.
+  """
+  words = nbytes // 4
+  own = ([int.from_bytes(secrets.token_bytes(4), "big") for _ in range(words)]
+         if me.is_chief else [0] * words)
+  if me.count == 1:
+    return b"".join(w.to_bytes(4, "big") for w in own)
+  chief = gather(own, me.strategy)[0]
+  return b"".join(int(w).to_bytes(4, "big") for w in chief)

@@ -59,6 +59,9 @@ class Catalog:
   last_preserved: float
   manifests: dict[str, manifest_lib.Manifest]
   unknown: list[str] = dataclasses.field(default_factory=list)
+  # Committed checkpoints a restore could not read (a transient error): out
+  # of the managed ones for this session, and a new save may replace them.
+  abandoned: set[str] = dataclasses.field(default_factory=set)
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False,
                                             compare=False)
 
@@ -96,9 +99,17 @@ class Catalog:
         self.latest = self.managed[-1].prefix if self.managed else None
       return self.latest
 
+  def abandon(self, prefix: str) -> None:
+    """Takes `prefix` out (see `drop`) without touching its files: a later save may replace it."""
+    self.drop(prefix)
+    with self._lock:
+      self.abandoned.add(prefix)
+
   def check_new(self, prefix: str) -> None:
     """Raises CheckpointError unless a new checkpoint may be committed at `prefix`."""
-    if fs.exists(layout_lib.manifest_path(prefix)):
+    with self._lock:
+      abandoned = prefix in self.abandoned
+    if not abandoned and fs.exists(layout_lib.manifest_path(prefix)):
       raise errors.CheckpointError(
           f"Checkpoint {prefix} already exists; it is not overwritten. Save "
           "under another number, or train into a new directory.")

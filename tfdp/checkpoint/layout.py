@@ -39,8 +39,10 @@ PER_WORKER_ROOT = "_tfdp_per_worker"
 # temp dir; one directory per persistent directory, one folder per worker.
 DEFAULT_LOCAL_ROOT = "/dev/shm/tfdp-local"
 _WORKER_DIR = "worker-{}"
-# Inside a worker's local folder: the per-worker states it keeps of a peer.
+# Inside a worker's local folder: the per-worker states it keeps of a peer,
+# and the markers of a peer recovery under way (tfdp.checkpoint.recovery).
 _PEER_DIR = "peer-{}"
+RECOVERY_INFIX = "recovering-"
 
 # TF's bundle writer (SaveV2) writes each file as `<file>.tempstate<random>`
 # and renames it when done: a process killed mid-write leaves one ("tf_tmp").
@@ -116,6 +118,18 @@ def local_worker_dir(root: str, worker: int) -> str:
 def peer_dir(worker_dir: str, source: int) -> str:
   """Where a worker keeps worker `source`'s per-worker states (inside its local folder)."""
   return os.path.join(worker_dir, _PEER_DIR.format(source))
+
+
+def peer_copy_path(worker_dir: str, source: int, name: str, step: int) -> str:
+  """The file of worker `source`'s per-worker state at `step`, kept in `worker_dir` (integers only)."""
+  return os.path.join(peer_dir(worker_dir, int(source)), f"{name}-{int(step)}")
+
+
+def peer_copy_step(filename: str, name: str) -> int | None:
+  """The step of a kept per-worker state's file name, or None when it is not one (a temp file)."""
+  prefix = name + "-"
+  rest = filename[len(prefix):]
+  return int(rest) if filename.startswith(prefix) and rest.isdigit() else None
 
 
 def peer_sources(worker_dir: str) -> list[int]:
@@ -194,7 +208,22 @@ class Layout:
 
   def received(self, step: int) -> str:
     """Where a local tier puts a copy a peer sent before it makes it its own (see LocalTier.receive)."""
-    return os.path.join(self.directory, f"received-{self.name}-{step}")
+    return os.path.join(self.directory, f"received-{self.name}-{int(step)}")
+
+  def received_own(self, step: int) -> str:
+    """Where a local tier writes its own per-worker state that a neighbour sent back, to merge it in."""
+    return os.path.join(self.directory, f"received-own-{self.name}-{int(step)}")
+
+  def recovery_marker(self, step: int) -> str:
+    """Written by every worker before a peer recovery of `step`, removed once it succeeded."""
+    return os.path.join(self.directory, f"{RECOVERY_INFIX}{self.name}-{int(step)}.json")
+
+  def recovery_steps(self) -> list[int]:
+    """The steps of the recovery markers in the directory (a listing)."""
+    head = f"{RECOVERY_INFIX}{self.name}-"
+    names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+    return sorted(int(n[len(head):-5]) for n in names
+                  if n.startswith(head) and n.endswith(".json") and n[len(head):-5].isdigit())
 
   def local(self, root: str | None, worker: int) -> "Layout":
     """The layout of worker `worker`'s local tier at `root` (None: the default root)."""

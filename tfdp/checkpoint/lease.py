@@ -130,18 +130,40 @@ def release(path: str, session: str) -> None:
       logging.warning("tfdp: could not release the lease %s: %s", path, e)
 
 
-class Renewer:
-  """Renews a lease's heartbeat every RENEW_S while `owner` lives and holds it."""
+def lost(directory: str, held: Lease | None, session: str) -> errors.CheckpointError:
+  """The error of a writer whose lease another job took (fencing)."""
+  who = held.describe() if held is not None else "nobody (the lease file is gone)"
+  return errors.CheckpointError(
+      f"{directory} is now held by {who}, not by this job (session {session}): this "
+      "job lost its lease (its chief stalled past the lease's lifetime, or another "
+      "job took the directory over) and does not write there any more. Stop one of "
+      "the two jobs; the checkpoints committed there are the other job's.")
 
-  def __init__(self, path: str, lease: Lease, owner: object):
+
+class Renewer:
+  """Renews a lease's heartbeat every RENEW_S while `owner` lives and holds it.
+
+  When it finds the lease taken over it stops, with an error in the log
+  (`lost` says why); the next commit fails (Holder.check).
+  """
+
+  def __init__(self, path: str, lease: Lease, owner: object, directory: str = ""):
     self._stop = threading.Event()
+    self.lost = None  # The lease that replaced this one, once found.
     ref = weakref.ref(owner)
 
     def body():
       while not self._stop.wait(RENEW_S) and ref() is not None:
         held = read(path)
+        if self._stop.is_set():
+          return
         if held is None or held.session != lease.session or held.pid != lease.pid:
-          return  # Released, or taken over.
+          self.lost = held
+          if held is not None and held.host == lease.host and held.pid == lease.pid:
+            return  # A new manager of this process replaced this one.
+          logging.error("tfdp: %s", lost(directory or os.path.dirname(path), held,
+                                          lease.session))
+          return
         try:
           fs.write_json_atomic(path, dataclasses.asdict(
               dataclasses.replace(lease, heartbeat=time.time())))
@@ -170,7 +192,7 @@ class Holder:
 
   def __init__(self, path: str, session: str, directory: str, lease: Lease | None = None):
     self._path, self._session, self._directory = path, session, directory
-    self._renewer = Renewer(path, lease, self) if lease is not None else None
+    self._renewer = Renewer(path, lease, self, directory) if lease is not None else None
 
   @property
   def held(self) -> bool:
@@ -180,7 +202,17 @@ class Holder:
     """Takes the lease again when released (a save after close())."""
     if self._renewer is None:
       lease = acquire(self._path, self._session, self._directory)
-      self._renewer = Renewer(self._path, lease, self)
+      self._renewer = Renewer(self._path, lease, self, self._directory)
+
+  def check(self) -> None:
+    """The fence, just before a commit point: raises unless the lease still names this job.
+
+    Raises:
+      CheckpointError: another job holds the directory now (the message names it).
+    """
+    held = read(self._path)
+    if held is None or held.session != self._session or held.pid != os.getpid():
+      raise lost(self._directory, held, self._session)
 
   def release(self) -> None:
     if self._renewer is not None:

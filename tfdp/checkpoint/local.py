@@ -1,9 +1,8 @@
 """The local checkpoint tier: each worker's own whole copies in host memory, written in the background."""
 
-import collections
 import dataclasses
-import json
 import os
+import threading
 import time
 import uuid
 
@@ -12,25 +11,23 @@ from absl import logging
 from tfdp import cluster
 from tfdp import errors
 from tfdp.checkpoint import async_writer
-from tfdp.checkpoint import catalog
+from tfdp.checkpoint import cadence as cadence_lib
+from tfdp.checkpoint import copies
 from tfdp.checkpoint import fs
+from tfdp.checkpoint import generations
 from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import peers
 from tfdp.checkpoint import planner
 from tfdp.checkpoint import policy
-from tfdp.checkpoint import restore as restore_lib
-from tfdp.checkpoint import storage
+from tfdp.checkpoint import replicas as replicas_lib
+from tfdp.checkpoint import wire
 
-# Local checkpoints each worker keeps: the newest and the one before, so a
-# crash during a local save leaves the previous one.
-LOCAL_KEEP = 2
+LOCAL_KEEP = generations.LOCAL_KEEP
 # With local_checkpoint_every_steps="auto": the share of the training time
-# local saves may cost (their blocked time and their writer's CPU), and how
-# often (in steps) the workers measure and agree on the interval again.
+# local saves may cost (their blocked time and their writer's CPU).
 DEFAULT_OVERHEAD = 0.02
-AGREE_EVERY_STEPS = 25
 
 
 def ensure_token(layout: layout_lib.Layout) -> str:
@@ -93,17 +90,20 @@ def make(layout: layout_lib.Layout, directory: str | None, every_steps, me, time
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-  """One intact local checkpoint of this worker."""
+  """One intact local copy of this worker."""
   step: int
   prefix: str
   manifest: manifest_lib.Manifest
 
 
 class LocalTier:
-  """One worker's local checkpoints: `<root>/worker-<index>/<name>-<step>`, each a whole checkpoint.
+  """One worker's local copies: `<root>/worker-<index>/<name>-<step>`, each a whole checkpoint.
 
   Saves run in a thread of their own (`save`); one while the previous is
-  still being written is skipped, so training never waits for this tier.
+  still being written waits for it (the newest one only), so training never
+  waits for this tier.
+  What stays is decided by `generations.Generations`: the newest step
+  complete on every worker (copies and per-worker states), and newer ones.
 
   Args:
     layout: this worker's local layout (`Layout.local(root, worker)`).
@@ -121,96 +121,77 @@ class LocalTier:
     self.worker = me.index
     self.num_workers = me.count
     self.every_steps = every_steps
-    self._auto = policy.EveryAutoSteps(overhead) if every_steps == "auto" else None
-    rule = self._auto or (policy.EveryNSteps(every_steps) if every_steps else None)
-    self._cadence = policy.Cadence(*((rule,) if rule else ()))
-    self._window = policy.Cadence(policy.EveryNSteps(AGREE_EVERY_STEPS))
-    self._window_start = None  # (time, step, blocked so far) where the window began.
-    self._blocked_total = 0.0
+    self.cadence = cadence_lib.LocalCadence(every_steps, overhead, me)
     self.token = ""
     self.skipped = 0
-    # The seconds the caller was blocked in the latest saves (`costs`).
-    self._blocked = collections.deque(maxlen=16)
-    # step -> the files of this worker's committed local copy (manifest first).
-    self._files = {}
+    # step -> manifest of this worker's committed copies (None: unread); the
+    # writer thread, the side channel's and the caller's use it under `_lock`.
+    self._copies = {}
+    self._lock = threading.RLock()
+    self.generations = generations.Generations(me.count)
+    self.replicas = replicas_lib.Replicas(layout.directory, layout.name)
     self._timeout = timeout
     self._session = ""
     self._writer = async_writer.AsyncWriter()
-    self._record = None  # The manifest fields that stay the same from save to save.
+    self._writing = False  # A save is being written; the next waits in `_pending`.
+    self._pending = None
     self.link = None  # The side channel to the other workers (tfdp.checkpoint.peers).
 
   def connect(self) -> None:
-    """Opens the side channel (every worker at the same point: it agrees on the ports)."""
-    if self.num_workers > 1:
-      self.link = peers.PeerLink(
-          self.me, peers.PeerCopies(self.layout.directory, self.layout.name, LOCAL_KEEP))
-      self.link.spool = self._spool
+    """Opens the side channel (every worker at the same point: two small agreements).
+
+    The chief draws the job's secret and every worker gets it over the
+    collectives (tfdp.cluster.shared_secret); then every worker's port.
+    """
+    if self.num_workers == 1:
+      return
+    self.link = self.make_link(cluster.shared_secret(self.me))
+    ports = cluster.gather([self.link.port], self.me.strategy)[:, 0]
+    self.link.start([(peers.own_host(a), int(p)) for a, p in zip(self.me.addresses, ports)])
+
+  def make_link(self, secret: bytes) -> peers.PeerLink:
+    """This worker's side channel on the job's `secret`: bound, not serving until its `start`."""
+    return peers.PeerLink(self.me, secret, self.layout.directory, on_replica=self._keep_replica,
+                          on_done=self.generations.done, incoming=self._incoming)
 
   @property
   def interval(self) -> int | None:
     """The steps between local saves now (with "auto": the agreed one)."""
-    return self._auto.interval if self._auto else self.every_steps
+    return self.cadence.interval
 
   def due(self, step: int) -> bool:
-    """Whether the training loop saves locally after `step` (every worker calls it at every step).
-
-    With "auto", every AGREE_EVERY_STEPS steps the workers measure what a
-    save cost (its blocked time plus its writer's CPU, the median of the
-    last ones) against the time a step took in the window, and agree (one
-    small all-reduce, the largest proposal) on the smallest interval within
-    the overhead budget; before the first window, every step.
-    """
-    if self._auto is not None:
-      self._retune(step)
-    return self._cadence.due(step)
-
-  def _retune(self, step):
-    now = time.perf_counter()
-    if self._window_start is None:
-      self._window.start(step)
-      self._window_start = (now, step, self._blocked_total)
-      return
-    if not self._window.due(step):
-      return
-    t0, s0, blocked0 = self._window_start
-    self._window_start = (now, step, self._blocked_total)
-    costs = sorted(b + w for b, w in self.costs)
-    cost = costs[len(costs) // 2] if costs else None
-    step_seconds = max(0.0, now - t0 - (self._blocked_total - blocked0)) / max(1, step - s0)
-    proposal = (self._auto.interval if cost is None
-                else self._auto.interval_for(cost, step_seconds))
-    if self.me.count > 1:
-      proposal = int(cluster.agree(proposal, "max", self.me.strategy))
-    if proposal != self._auto.interval:
-      self._auto.interval = proposal
-      if self.me.is_chief:
-        logging.info("tfdp: local saves every %d step(s): a save costs %.1f ms (blocked plus "
-                     "its writer's CPU), a step %.1f ms, the budget is %.0f%%.", proposal,
-                     1e3 * (cost or 0.0), 1e3 * step_seconds, 100 * self._auto.budget)
+    """Whether the training loop saves locally after `step` (every worker calls it at every step)."""
+    return self.cadence.due(step, lambda: self.costs)
 
   def start(self, token: str, session: str) -> None:
-    """Makes the directory and removes what torn local saves left."""
+    """Makes the directory and removes what torn saves and cut-short transfers left."""
     self.token, self._session = token, session
     fs.makedirs(self.layout.directory)
-    storage.cleanup(self.layout, session, private=True)
-    for prefix in catalog.committed(self.layout):
-      self._files[layout_lib.number_of(prefix)] = [layout_lib.manifest_path(prefix)] + (
-          catalog.files_of(self.layout, prefix))
+    copies.cleanup(self.layout, session)
+    self.replicas.cleanup()
+    with self._lock:
+      self._copies = dict.fromkeys(copies.committed(self.layout))
+    if self.num_workers == 1:
+      self.replicas.drop()  # Of an earlier job of several workers.
 
   # -- saving --
 
   def busy(self) -> bool:
-    """Whether a save is being written (a new one would be skipped)."""
-    return self._writer.running()
+    """Whether a save is being written (a new one would wait for it)."""
+    return self._writing
 
-  def save(self, step: int, take, meta) -> str | None:
-    """Saves local checkpoint `step` of the Items `take()` returns, written in the background.
+  def save(self, step: int, take, meta) -> str:
+    """Saves local copy `step` of the Items `take()` returns, written in the background.
 
     Blocks only for `take()`: a snapshot (reads that alias the variables'
     buffers; TF copies a buffer before the next update writes it) and the
-    variant of an iterator's position. The writer thread turns variants into
-    bytes, writes one file and its index straight under the final name and
-    commits them with a manifest: no temp dir, no merge.
+    variant of an iterator's position. The writer thread writes and commits
+    the copy (tfdp.checkpoint.copies), sends the per-worker state to the
+    neighbour, reports the step done, and lets go what `generations` says.
+    A save while the previous one is being written waits for it, in place
+    of any save waiting already (counted in `skipped`): the newest save due
+    is always written, on every worker, so the workers' copies meet at it.
+    A copy of the same step already held (an earlier attempt's) is replaced.
 
     Args:
       step: the global step.
@@ -218,118 +199,119 @@ class LocalTier:
       meta: `fn()` -> the save's SaveMeta, called after `take`.
 
     Returns:
-      The prefix, or None when skipped because the previous save is still
-      being written.
+      The prefix.
     """
-    if self.busy():
-      self.skipped += 1
-      return None
     start = time.perf_counter()
-    self.wait()
     prefix = self.layout.prefix(step)
-    if step in self._files:
-      return prefix
     items = items_lib.snapshot(take())
-    meta = meta()  # After take(): what it took decides some fields.
-    blocked = time.perf_counter() - start
-    self._blocked_total += blocked
-
-    def write():
-      self._write(step, prefix, items, self._fields(meta, items))
-      self.prune()
-      if self.link is not None:
-        self._replicate(step, items)
-
-    self._writer.submit(write)
-    self._blocked.append(blocked)
+    job = (step, prefix, items, meta())  # meta after take(): what it took decides some fields.
+    self.cadence.note_blocked(time.perf_counter() - start)
+    with self._lock:
+      if self._writing:
+        self.skipped += self._pending is not None
+        self._pending = job
+        return prefix
+      self._writing = True
+    self.wait()  # A failed save before this one is logged here; training goes on.
+    self._writer.submit(lambda: self._drain(job))
     return prefix
+
+  def _drain(self, job):
+    """The writer thread: writes `job`, then whatever save came meanwhile."""
+    error = None
+    while job is not None:
+      try:
+        self._write(*job)
+      except Exception as e:  # pylint: disable=broad-except
+        error = error or e
+      with self._lock:
+        job, self._pending = self._pending, None
+        self._writing = job is not None
+    if error is not None:
+      raise error
+
+  def _write(self, step, prefix, items, meta):
+    with self._lock:
+      stale = step in self._copies
+    if stale:  # An earlier attempt's copy of this number never stands in for this save.
+      self.delete(prefix)
+    man = copies.write(prefix, items, self._base(meta), self.worker)
+    with self._lock:
+      self._copies[step] = man
+    if self.link is not None:
+      sent = self._replicate(step, items)
+      if sent is False:  # Not kept by the neighbour: this worker's part is not done.
+        self.prune()
+        return
+      # A neighbour that kept the state knows; the others are told.
+      self.link.report_done(step, skip=(self.link.neighbour,) if sent else ())
+    self.generations.done(self.worker, step)
+    self.prune()
 
   @property
   def costs(self) -> list[tuple[float, float]]:
     """(seconds the caller was blocked, the writer thread's CPU seconds) of the latest saves."""
-    return list(zip(self._blocked, self._writer.cpu_seconds))
+    return list(zip(self.cadence.blocked, self._writer.cpu_seconds))
 
-  def _write(self, step, prefix, items, record):
-    man = storage.write_whole(prefix, items, record, self.worker)
-    self._committed(step, prefix, man)
-    return man
+  def _base(self, meta) -> manifest_lib.Manifest:
+    """The manifest fields of a save with `meta` known before it is written."""
+    return manifest_lib.Manifest(**dataclasses.asdict(meta), world_size=self.num_workers,
+                                 session=self._session, writers={str(self.worker): {"files": 1}})
 
-  def _committed(self, step, prefix, man):
-    folder = os.path.dirname(prefix)
-    self._files[step] = [layout_lib.manifest_path(prefix)] + [
-        os.path.join(folder, f["name"]) for f in man["files"]]
-
-  def _replicate(self, step, items):
-    """Sends this worker's per-worker state of the save at `step` to its neighbour."""
+  def _replicate(self, step, items) -> bool | None:
+    """Sends this worker's per-worker state at `step` to its neighbour: acknowledged (None: it has none)."""
     root = layout_lib.per_worker_prefix(self.worker)
     own = {it.key[len(root):]: items_lib.writable(it.value) for it in items
            if it.key.startswith(root)}
-    if own:
-      self.link.replicate(step, own, token=self.token, world_size=self.num_workers)
+    return self.link.replicate(step, own, self.token) if own else None
+
+  def _keep_replica(self, source, step, header, blobs):
+    """Keeps the left neighbour's per-worker state at `step` (a side-channel thread calls it)."""
+    if header["token"] != self.token:
+      raise wire.Refused("a per-worker state of another run", "token")
+    self.replicas.put(source, step, header, blobs)
+    self.generations.done(source, step)  # Its copy is committed and its state is here.
+    self.prune()
 
   def kept_for_left(self) -> list[int]:
     """Steps of the per-worker states this worker keeps of its left neighbour (of this run)."""
     if self.link is None:
       return []
     out = []
-    for step in self.link.copies.steps(self.link.left):
-      found = self.link.copies.get(self.link.left, step)
+    for step in self.replicas.steps(self.link.left):
+      found = self.replicas.get(self.link.left, step)
       if found is not None and found[0].get("token") == self.token and (
           found[0].get("world_size") == self.num_workers):
         out.append(step)
     return out
 
-  def files_of(self, prefix: str) -> list[str]:
-    """The index and data files of local copy `prefix`."""
-    return self._files.get(layout_lib.number_of(prefix), [])[1:]
+  def files_of(self, held: Held) -> list[str]:
+    """The files of local copy `held` that a holder sends."""
+    return copies.files(held.prefix, held.manifest)
 
-  def _spool(self, header):
-    """Where the files of a copy a peer sends are written as they arrive (the side channel asks)."""
-    if header["kind"] != "copy":
-      return None
-    man = json.loads(header["manifest"])
-    tmp = self.layout.received(header["step"])
-    return [tmp + name[len(man["prefix"]):] for name in header["files"]]
+  def _incoming(self, step, manifest_json, sizes):
+    """Where the files of a copy a peer sends go (the side channel asks, before writing any)."""
+    return copies.incoming(self.layout, step, manifest_json, sizes)
 
-  def receive(self, step: int, header: dict, paths, own: dict | None) -> Held:
-    """Makes a copy a peer sent (its files, already written here, and manifest) this worker's of `step`.
+  def receive(self, step: int, offered: manifest_lib.Manifest, own: dict | None) -> Held:
+    """Makes a copy a peer sent (its files, already written here) this worker's copy of `step`.
 
     With `own` (this worker's per-worker tensors, kept by its neighbour), they
-    are written as a second shard and merged in, as a save would have held them.
+    are merged in, as a save would have held them.
     """
-    del paths  # Where `_spool` put them: under `self.layout.received(step)`.
-    prefix = self.layout.prefix(step)
-    man = json.loads(header["manifest"])
-    tmp = self.layout.received(step)
-    shards = [(tmp, [k for f in man["files"] for k in f.get("tensors") or ()])]
-    if own:
-      root = layout_lib.per_worker_prefix(self.worker)
-      items = [planner.Item(root + k, "", v, items_lib.nbytes(v)) for k, v in sorted(own.items())]
-      storage.write_shard(tmp + "-own", items)
-      shards.append((tmp + "-own", [it.key for it in items]))
-    record = dict(self._fields_from(man), per_worker_required=own is not None)
-    written = storage.merge_whole(shards, prefix, record, self.worker)
-    self._committed(step, prefix, written)
-    for path in catalog.files_of(layout_lib.Layout(self.layout.directory, None), tmp):
-      fs.remove(path)
+    root = layout_lib.per_worker_prefix(self.worker)
+    items = [planner.Item(root + k, "", v, items_lib.nbytes(v))
+             for k, v in sorted((own or {}).items())]
+    base = self._base(manifest_lib.SaveMeta(offered.checkpoint_number, offered.step))
+    self.delete(self.layout.prefix(step))
+    man = copies.adopt(self.layout, step, offered, items, base, self.worker)
+    with self._lock:
+      self._copies[step] = man
     self.prune()
-    return Held(step, prefix, manifest_lib.Manifest.from_json(json.dumps(written)))
+    return Held(step, self.layout.prefix(step), man)
 
-  def _fields_from(self, man: dict) -> dict:
-    """A peer's manifest, made this worker's (its writer, session, no files yet)."""
-    drop = ("prefix", "time", "files", "num_shards", "total_bytes", "state_bytes", "format")
-    return dict({k: v for k, v in man.items() if k not in drop}, session=self._session,
-                writers={str(self.worker): {"files": 1}})
-
-  def _fields(self, meta, items):
-    """The manifest fields of a save of `items` with `meta`; the static ones made once per key set."""
-    keys = [it.key for it in items]
-    if self._record is None or self._record["files"][0]["tensors"] != keys:
-      self._record = {
-          "files": [{"tensors": keys}], "world_size": self.num_workers,
-          "writers": {str(self.worker): {"files": 1}}, "kept": [],
-          "manifest_version": manifest_lib.MANIFEST_VERSION}
-    return dict(self._record, session=self._session, **dataclasses.asdict(meta))
+  def discard_incoming(self, step: int) -> None:
+    copies.discard_incoming(self.layout, step)
 
   def wait(self) -> None:
     """Waits for the background save; a failed one is logged (training goes on)."""
@@ -343,7 +325,8 @@ class LocalTier:
 
   def committed(self) -> list[str]:
     """Prefixes of this worker's committed local checkpoints, oldest first."""
-    return [self.layout.prefix(step) for step in sorted(self._files)]
+    with self._lock:
+      return [self.layout.prefix(s) for s in sorted(self._copies)]
 
   def held(self) -> list[Held]:
     """This worker's intact local checkpoints of this run, newest first.
@@ -364,7 +347,7 @@ class LocalTier:
         problem = f"saved by a job of {man.world_size} workers, this one has {self.num_workers}"
       else:
         try:
-          restore_lib.check_sizes(prefix, man)
+          copies.check(prefix, man)
         except errors.CorruptCheckpointError as e:
           problem = str(e)
       if problem is not None:
@@ -372,26 +355,94 @@ class LocalTier:
           logging.warning("tfdp: deleting local checkpoint %s: %s", prefix, problem)
         self.delete(prefix)
         continue
+      with self._lock:
+        if layout_lib.number_of(prefix) in self._copies:
+          self._copies[layout_lib.number_of(prefix)] = man
       out.append(Held(man.step, prefix, man))
     return out
 
   def delete(self, prefix: str) -> None:
     """Deletes local copy `prefix`: its manifest first, so a crash leaves no committed half."""
-    for path in self._files.pop(layout_lib.number_of(prefix), ()):
+    with self._lock:
+      copies.delete(self.layout, prefix, self._copies.pop(layout_lib.number_of(prefix), None))
+
+  def prune(self) -> None:
+    """Lets go of the copies and kept states that `generations` no longer needs."""
+    with self._lock:
+      for step in self.generations.doomed(self._copies):
+        self.delete(self.layout.prefix(step))
+      for source in self.replicas.sources() if self.link is not None else ():
+        kept = self.replicas.steps(source)
+        if self.link is not None and source != self.link.left:
+          doomed = kept  # Of a neighbour of another world size.
+        else:
+          doomed = self.generations.doomed(kept)
+        for step in doomed:
+          self.replicas.delete(source, step)
+
+  def drop_step(self, step: int) -> None:
+    """Deletes this worker's copy and kept states of `step` (a restore of it failed)."""
+    with self._lock:
+      self.delete(self.layout.prefix(step))
+      for source in self.replicas.sources():
+        self.replicas.delete(source, step)
+
+  def restored(self, step: int | None, tier: str | None) -> None:
+    """After a restore at `step` from `tier` (None: a fresh start): copies newer than it are deleted.
+
+    So is a copy of the same step when it is not the one restored (the
+    persistent tier's was). What an abandoned attempt saved past the
+    restored step can then never be restored, or stand in for a save, on
+    any worker. The recovery markers go too.
+    """
+    own_ok = tier in ("local", "peer")
+    newer = (lambda s: True) if step is None else (lambda s: s > step or (s == step and not own_ok))
+    with self._lock:
+      for s in [s for s in self._copies if newer(s)]:
+        self.delete(self.layout.prefix(s))
+      for source in self.replicas.sources():
+        for s in self.replicas.steps(source):
+          if newer(s):
+            self.replicas.delete(source, s)
+    self.generations.restored(step)
+    self.clear_recovery()
+
+  # -- peer recovery markers --
+
+  def mark_recovery(self, step: int) -> None:
+    """Notes, before a peer recovery of `step` starts, that it is under way (see failed_recovery)."""
+    fs.write_json_atomic(self.layout.recovery_marker(step), {"step": step, "time": time.time()})
+
+  def failed_recovery(self) -> list[int]:
+    """Steps of peer recoveries that an earlier attempt started and never finished (it crashed).
+
+    Their copies and kept states are deleted here, so the workers'
+    offers differ from the ones that led to the crash.
+    """
+    steps = self.layout.recovery_steps()
+    for step in steps:
+      logging.warning("tfdp: a peer recovery of step %d did not finish (the job stopped during "
+                      "it); not trying a peer recovery again now.", step)
+      self.drop_step(step)
+    return steps
+
+  def clear_recovery(self) -> None:
+    for step in self.layout.recovery_steps():
       try:
-        os.remove(path)
+        os.remove(self.layout.recovery_marker(step))
       except OSError:
         pass
 
-  def prune(self, keep: int = LOCAL_KEEP) -> None:
-    """Deletes all but the newest `keep` local checkpoints."""
-    for step in sorted(self._files)[:max(0, len(self._files) - keep)]:
-      self.delete(self.layout.prefix(step))
+  def close(self) -> None:
+    """Waits for the background save, then ends the side channel."""
+    self.wait()
+    if self.link is not None:
+      self.link.close()
 
   def drop(self) -> None:
     """Deletes every local checkpoint (e.g. once training completed and the persistent tier has the end)."""
     self.wait()
     for prefix in self.committed():
       self.delete(prefix)
-    if self.link is not None:
-      self.link.copies.drop()
+    self.replicas.drop()
+    self.clear_recovery()

@@ -87,10 +87,8 @@ class CheckpointManager:
     verify_on_restore: check file sizes before restoring.
     keep_every_n_hours: deprecated name of keep_checkpoint_every_n_hours.
     local_checkpoint_dir: the local tier: a per-host directory (default,
-      with local_checkpoint_every_steps: under /dev/shm) where each worker
-      keeps whole copies of the state, saved by `save_local()` in the
-      background, the newest LOCAL_KEEP (2) kept. Restores then take the
-      newest state any worker can have (see restore_newest_intact).
+      with local_checkpoint_every_steps: under /dev/shm) of whole copies of
+      the state, saved by `save_local()` in the background (docs/tiers.md).
     local_checkpoint_every_steps: how often the training loop saves locally
       (asked through `local_due(step)`, by tfdp.callbacks and by `save()`
       with a `step_counter`): an int N (whenever the step reaches or
@@ -222,7 +220,7 @@ class CheckpointManager:
                              doc="This worker's local-tier directory.")
   local_saves_skipped = property(
       lambda self: self._local.skipped if self._local else 0,
-      doc="Local saves skipped because the previous one was still being written.")
+      doc="Local saves never written: a newer one came while they waited for the previous one.")
 
   def local_checkpoints(self) -> list[str]:
     """Prefixes of this worker's committed local checkpoints, oldest first."""
@@ -252,10 +250,8 @@ class CheckpointManager:
     """
     self._wait()
     step, persistent, local = self._decide(check_interval)
-    if local:
-      self.save_local(step)
     if not persistent:
-      return None
+      return self._then_local(local, step, None)
     number, prefix = self._next_number(checkpoint_number)
     meta = self._meta(number, number if step is None else step, metrics)
     sweep = self._catalog.plan(prefix, number, meta.metrics, self._keep, self._hours)
@@ -268,7 +264,8 @@ class CheckpointManager:
         layout=self._layout, prefix=prefix, tmp_dir=self._layout.tmp_dir(save_id, number),
         save_id=save_id, worker=self._me.index, num_workers=self._me.count, files=files,
         timeout=self._timeout, meta=meta,
-        kept=tuple(os.path.basename(e.prefix) for e in sweep.kept))
+        kept=tuple(os.path.basename(e.prefix) for e in sweep.kept),
+        fence=self._lease.check if self._me.is_chief else None)
     self._last_saved_step = meta.step
     if step is not None:
       self._last_checkpoint_step = step
@@ -277,22 +274,28 @@ class CheckpointManager:
       self._writer.submit(lambda: self._run(job, sweep, callbacks))
     else:
       self._wait(lambda: self._run(job, sweep, callbacks))
+    return self._then_local(local, step, prefix)
+
+  def _then_local(self, local, step, prefix):
+    """A save()'s local save, after its persistent one as in the callbacks: with its save_counter."""
+    if local:
+      self.save_local(step)
     return prefix
 
-  def save_local(self, step: int | None = None) -> str | None:
+  def save_local(self, step: int | None = None) -> str:
     """Saves a whole copy of the state to this worker's local tier, in the background.
 
     It blocks only to take the state (a host snapshot, as an async save);
-    each worker writes its own copy without talking to the others, so the
-    workers may call it at different steps. A save while the previous one
-    is still being written is skipped (counted in `local_saves_skipped`);
-    a failed local save is logged, and training goes on.
+    the copy is written in the background, its per-worker state sent to the
+    neighbour. A save while the previous one is still being written waits
+    for it, in place of any save waiting already (counted in
+    `local_saves_skipped`); a failed local save is logged, and training goes on.
 
     Args:
       step: the global step (default: `step_counter`'s value).
 
     Returns:
-      The local prefix, or None when skipped.
+      The local prefix.
 
     Raises:
       ConfigError: the manager has no local tier, or no step is known.
@@ -329,17 +332,20 @@ class CheckpointManager:
       raise errors.CheckpointError(
           f"No committed checkpoint in {self._directory} to restore.")
     status, man = self._restorer.restore(save_path)
-    self._restored(save_path, man)
+    self._restored(save_path, man, "persistent")
     return status
 
   def restore_newest_intact(self, before_restore=None) -> str | None:
     """Restores the newest intact checkpoint; returns its prefix, or None.
 
-    With a local tier, the newest state any worker can have (see
+    Every worker must call it, and all restore the same step. With a local
+    tier, the newest state any worker can have (see
     tfdp.checkpoint.recovery); then the persistent checkpoints, newest
     first. Every candidate's file sizes are checked before anything is read
-    (and before `before_restore`); a broken one is set aside with a warning
-    naming the file, and the next older one is tried.
+    (and before `before_restore`); when any worker cannot restore one, all
+    move on to the next older one together (a broken one is set aside, with
+    a warning naming the file). Local copies newer than what was restored
+    are then deleted on every worker.
 
     Args:
       before_restore: optional `fn(prefix)` called before each restore, e.g.
@@ -351,18 +357,12 @@ class CheckpointManager:
         than start over next to them).
     """
     self._wait()
-    self.restored_tier = found = None
-    if self._local is not None:
-      self._local.wait()
-      found = recovery.TieredRestore(
-          self._checkpoint, self._local, self._me, self._restorer.restore_per_worker,
-          self._timeout).run(self._restorer.newest_step(), before_restore)
-    found = found or self._restorer.newest_intact(before_restore)
-    if found is None:
-      return None
-    self._restored(found.prefix, found.manifest)
-    self.restored_tier = found.tier
-    return found.prefix
+    found = recovery.restore_newest(self._checkpoint, self._local, self._me, self._restorer,
+                                    before_restore)
+    self.restored_tier = found.tier if found else None
+    if found is not None:
+      self._restored(found.prefix, found.manifest, found.tier)
+    return found.prefix if found else None
 
   def restore_or_initialize(self) -> str | None:
     """Restores the newest intact checkpoint, or runs init_fn when there is none.
@@ -385,11 +385,17 @@ class CheckpointManager:
   wait_until_finished = sync
 
   def close(self) -> None:
-    """Waits for the background save and releases the directory; a later save takes it again."""
+    """Waits for the background saves, releases the directory and ends the local tier's side channel.
+
+    A later save takes the directory again; local saves after close() keep
+    their copies but send nothing to the other workers.
+    """
     try:
       self.sync()
     finally:
       self._lease.release()
+      if self._local is not None:
+        self._local.close()
 
   def delete_directory(self) -> None:
     """Deletes the checkpoint directory and all in it (the chief; e.g. a finished backup).
@@ -416,15 +422,16 @@ class CheckpointManager:
   # -- the steps of a save --
 
   def _decide(self, check_interval):
-    """(the step to record or None, save persistently, save locally).
+    """(the step counter's value or None, save persistently, save locally).
 
     TF's rule: with a `checkpoint_interval` the interval decides; without,
-    every call saves. The local tier's cadence counts the step counter's.
+    every call saves. The step is the manifest's whenever there is a step
+    counter. The local tier's cadence counts the step counter's.
     """
     step = None if self._step_counter is None else _number(self._step_counter)
     local = check_interval and step is not None and self.local_due(step)
     if self._interval is None:
-      return None, True, local
+      return step, True, local
     decision = policy.AnyOf((self._interval if check_interval else policy.Always(),))
     persistent = decision.should_save(policy.SaveContext(
         step=step, last_saved_step=self._last_checkpoint_step))
@@ -482,11 +489,10 @@ class CheckpointManager:
     return self._meta(step, step, None, tier="local", run_token=self._local.token,
                       per_worker_required=self._per_worker.required)
 
-  # -- restore helpers --
-
-  def _restored(self, prefix, man):
+  def _restored(self, prefix, man, tier):
+    step = man.step if man is not None else layout_lib.number_of(prefix)
+    self._last_saved_step = step
     if self._interval is not None:
-      self._last_checkpoint_step = _number(self._step_counter)
-      self._last_saved_step = self._last_checkpoint_step
-    else:
-      self._last_saved_step = man.step if man is not None else layout_lib.number_of(prefix)
+      self._last_checkpoint_step = self._last_saved_step = _number(self._step_counter)
+    if self._local is not None:  # What an abandoned attempt saved past it goes, on every worker.
+      self._local.restored(step, tier)

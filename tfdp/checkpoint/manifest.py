@@ -38,7 +38,8 @@ class FileRecord:
   tensors: list[str] | None = None  # A data file: keys whose CRC32C TF keeps.
 
   def to_dict(self) -> dict:
-    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None}
 
 
 @dataclasses.dataclass
@@ -50,7 +51,7 @@ class SaveMeta:
   global_batch_size: int | None = None
   per_worker_keys: list[str] = dataclasses.field(default_factory=list)
   versions: dict[str, str] = dataclasses.field(default_factory=dict)
-  # "persistent" (model_dir) or "local" (one worker's copy, tfdp.checkpoint.tiers).
+  # "persistent" (model_dir) or "local" (one worker's copy, tfdp.checkpoint.local).
   tier: str = "persistent"
   # A local checkpoint's run (the token in the persistent directory).
   run_token: str = ""
@@ -89,7 +90,9 @@ class Manifest(SaveMeta):
   manifest_version: int = MANIFEST_VERSION
 
   def to_json(self) -> str:
-    d = dataclasses.asdict(self)
+    # Shallow (no deep copy of every tensor key, as dataclasses.asdict makes):
+    # the local tier writes one at every save.
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     d["files"] = [f.to_dict() for f in self.files]
     d["format"] = FORMAT
     return json.dumps(d, indent=1, sort_keys=True)
@@ -133,12 +136,6 @@ def read_manifest(prefix: str) -> Manifest | None:
 def write_manifest(prefix: str, manifest: Manifest) -> None:
   """Writes the manifest atomically: the commit point of checkpoint `prefix`."""
   fs.write_atomic(layout.manifest_path(prefix), manifest.to_json())
-
-
-def write_manifest_dict(prefix: str, fields: dict) -> None:
-  """`write_manifest` of a manifest given as the dict `Manifest.to_json` makes (no dataclass per save)."""
-  fs.write_atomic(layout.manifest_path(prefix),
-                  json.dumps(dict(fields, format=FORMAT), indent=1, sort_keys=True))
 
 
 def file_checksum(path: str) -> tuple[int, str]:

@@ -1,196 +1,141 @@
-"""The local tier's side channel between workers: raw TCP, off the training thread.
+"""The local tier's side channel between workers: authenticated TCP, off the training thread.
 
 Two uses, both moving bytes once:
 - after each local save, a worker sends its per-worker state (the data
-  position) to its neighbour (worker i+1 mod N), which keeps the newest ones
-  in its own local tier (`PeerCopies`): a replaced host gets it back;
+  position) to its neighbour (worker i+1 mod N), which keeps it
+  (tfdp.checkpoint.replicas) and acknowledges it; a replaced host gets it
+  back. Once its own copy is committed and its state acknowledged, the
+  worker tells the others its part of the step is done: a step done by
+  every worker is complete everywhere (tfdp.checkpoint.generations);
 - at a restore where a worker lost its local copy, a holder sends it the
   copy's files, and its neighbour its per-worker state.
 
-The workers learn each other's ports with one small all-reduce when the
-link starts (every worker starts it at the same point, as any collective).
-A message is an 8-byte length, a JSON header and a payload of byte blobs.
+The link listens on this worker's own address only. Every connection is
+authenticated with the job's secret before a frame is read, every header
+is checked (tfdp.checkpoint.wire), at most `max_connections` are served at
+once, and a restore's message is accepted only when it is expected, from
+the worker expected to send it. Anything else is dropped, logged once per
+kind of problem, and nothing is written.
 """
 
-import collections
-import json
 import os
 import socket
-import struct
 import threading
 import time
 
 from absl import logging
-import tensorflow as tf
-from tensorflow.core.framework import tensor_pb2
 
-from tfdp import cluster
-from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import faults
+from tfdp.checkpoint import fs
+from tfdp.checkpoint import wire
 
 _CONNECT_TIMEOUT_S = 5.0
-_RETRY_S = 30.0  # After a failed send, the neighbour is tried again this much later.
+_ACK_TIMEOUT_S = 10.0  # A neighbour that does not acknowledge a per-worker state by then is down.
+_RETRY_S = 10.0  # After a failed send, that worker is tried again this much later.
+START_S = 20.0  # A restore's sender must start sending within this, after the agreement.
+STALL_S = 10.0  # A transfer that moves no byte for this long has failed (a dead host).
 _CHUNK = 4 << 20  # A received file is written as it arrives, this much at a time.
+# With 2 ** 36 (64 GiB) a per-worker state is absurd: a header asking more is dropped.
+MAX_PER_WORKER_BYTES = 1 << 36
+TRANSFER_FAULT = "during_transfer"  # A fault point: a copy's first file is sent.
 
 
-def _frame(header: dict, blobs=()) -> list:
-  """A message as buffers: its header's length, the header (JSON), the blobs."""
-  blobs = [memoryview(b).cast("B") for b in blobs]
-  head = json.dumps(dict(header, sizes=[b.nbytes for b in blobs])).encode()
-  return [struct.pack("<Q", len(head)) + head] + blobs
+def max_connections(num_workers: int) -> int:
+  """Connections served at once: the peers' few, and room for a restore."""
+  return 2 * num_workers + 8
 
 
-def _send(sock, header: dict, blobs=()) -> None:
-  for part in _frame(header, blobs):
-    sock.sendall(part)
+def own_host(address: str | None) -> str:
+  """The host of this worker's `host:port` (brackets of an IPv6 address removed)."""
+  host = (address or "localhost").rsplit(":", 1)[0]
+  return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def _send_files(sock, header: dict, paths) -> None:
-  """A message whose blobs are files, sent by the kernel (sendfile), not read into memory."""
-  sizes = [os.path.getsize(p) for p in paths]
-  head = json.dumps(dict(header, sizes=sizes)).encode()
-  sock.sendall(struct.pack("<Q", len(head)) + head)
-  for path in paths:
-    with open(path, "rb") as f:
-      sock.sendfile(f)
+class _Refusals:
+  """Dropped connections and frames: the first of each kind is logged, all are counted."""
 
-
-def _recv_exact(sock, n: int) -> bytearray:
-  buf = bytearray(n)
-  view, got = memoryview(buf), 0
-  while got < n:
-    k = sock.recv_into(view[got:])
-    if not k:
-      raise ConnectionError("peer closed the connection")
-    got += k
-  return buf
-
-
-def _recv(sock, spool=None):
-  """One message: (header, blobs); with `spool(header)` -> paths, its blobs go straight to those files."""
-  (n,) = struct.unpack("<Q", _recv_exact(sock, 8))
-  header = json.loads(bytes(_recv_exact(sock, n)))
-  paths = spool(header) if spool is not None else None
-  if paths is None:
-    return header, [_recv_exact(sock, size) for size in header["sizes"]]
-  chunk = bytearray(_CHUNK)
-  view = memoryview(chunk)
-  for path, size in zip(paths, header["sizes"]):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-      left = size
-      while left:
-        k = sock.recv_into(view[:min(left, _CHUNK)])
-        if not k:
-          raise ConnectionError("peer closed the connection")
-        os.write(fd, view[:k])
-        left -= k
-    finally:
-      os.close(fd)
-  return header, paths
-
-
-def tensors_to_wire(tensors: dict) -> tuple[dict, list]:
-  """{key: tensor} as (a JSON-able description, the blobs): each tensor's `serialize_tensor` bytes."""
-  keys = sorted(tensors)
-  return {"keys": keys}, [tf.io.serialize_tensor(tensors[k]).numpy() for k in keys]
-
-
-def tensors_from_wire(description: dict, blobs) -> dict:
-  """The inverse of `tensors_to_wire` (dtypes travel inside the serialized tensors)."""
-  out = {}
-  for key, blob in zip(description["keys"], blobs):
-    proto = tensor_pb2.TensorProto()
-    proto.ParseFromString(bytes(blob))
-    out[key] = tf.io.parse_tensor(bytes(blob), tf.dtypes.as_dtype(proto.dtype))
-  return out
-
-
-class PeerCopies:
-  """The per-worker states a worker keeps of its neighbour: `<local dir>/peer-<from>/<name>-<step>`.
-
-  Each is one file in the side channel's own framing (a JSON header, then
-  the tensors' bytes), written to a temp name and renamed: whole or absent.
-  The newest `keep` of each source are kept.
-  """
-
-  def __init__(self, directory: str, name: str, keep: int):
-    self.directory, self.name, self.keep = directory, name, keep
+  def __init__(self):
     self._lock = threading.Lock()
+    self._seen = set()
+    self.count = 0
 
-  def _path(self, source: int, step: int) -> str:
-    return os.path.join(layout_lib.peer_dir(self.directory, source), f"{self.name}-{step}")
-
-  def put(self, source: int, step: int, description: dict, blobs) -> None:
-    path = self._path(source, step)
-    tmp = layout_lib.atomic_tmp_path(path)
+  def note(self, where, error: wire.Refused) -> None:
     with self._lock:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-      try:
-        os.writev(fd, _frame(dict(description, step=step, source=source), blobs))
-      finally:
-        os.close(fd)
-      os.replace(tmp, path)
-      for old in self.steps(source)[:-self.keep]:
-        os.remove(self._path(source, old))
+      self.count += 1
+      first = error.key not in self._seen
+      self._seen.add(error.key)
+    if first:
+      logging.warning("tfdp: the local tier's side channel dropped a connection from %s: %s. "
+                      "Nothing of it was written; the job goes on (more of this kind are "
+                      "dropped without a line).", where, error)
 
-  def steps(self, source: int) -> list[int]:
-    """The steps of `source`'s per-worker state held here, oldest first."""
-    folder = layout_lib.peer_dir(self.directory, source)
-    prefix = self.name + "-"
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted(int(n[len(prefix):]) for n in names
-                  if n.startswith(prefix) and n[len(prefix):].isdigit())
 
-  def get(self, source: int, step: int) -> tuple[dict, list] | None:
-    """(description, blobs) of `source`'s per-worker state at `step`, or None."""
-    try:
-      with open(self._path(source, step), "rb") as f:
-        raw = f.read()
-    except OSError:
-      return None
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    blobs, at = [], 8 + n
-    for size in header["sizes"]:
-      blobs.append(raw[at:at + size])
-      at += size
-    return header, blobs
+class _Closed(ConnectionError):
+  """The other end closed the connection cleanly (it closed its side channel)."""
 
-  def drop(self) -> None:
-    """Deletes every peer copy held here."""
-    for source in layout_lib.peer_sources(self.directory):
-      folder = layout_lib.peer_dir(self.directory, source)
-      for n in os.listdir(folder):
-        os.remove(os.path.join(folder, n))
-      os.rmdir(folder)
+
+class _Expected:
+  """One message a restore waits for: from whom, and what arrived (or why not)."""
+
+  def __init__(self):
+    self.started = threading.Event()
+    self.done = threading.Event()
+    self.result = None
+    self.error = None
+
+  def finish(self, result=None, error=None):
+    self.result, self.error = result, error
+    self.done.set()
 
 
 class PeerLink:
   """This worker's end of the side channel: a server thread, and sends to the others.
 
+  Bound at construction; `start(peers)` begins serving once every worker's
+  address is known (tfdp.checkpoint.local agrees on them).
+
   Args:
-    me: this worker (with every worker's address and the strategy).
-    copies: where this worker keeps its neighbour's per-worker states.
+    me: this worker (`tfdp.cluster.Worker`).
+    secret: the job's key (tfdp.cluster.shared_secret).
+    directory: this worker's local-tier folder (what arrives must fit there).
+    on_replica: `fn(source, step, header, blobs)` keeps a neighbour's
+      per-worker state (raises wire.Refused to drop it).
+    on_done: `fn(worker, step)`: that worker's part of `step` is done.
+    incoming: `fn(step, manifest_json, sizes)` -> (manifest, paths) of a
+      copy a peer offers at a restore, or raises wire.Refused.
   """
 
-  def __init__(self, me: cluster.Worker, copies: PeerCopies):
-    self._me = me
-    self.copies = copies
-    host = (me.address or "localhost").rsplit(":", 1)[0]
-    self._server = socket.create_server((host, 0), reuse_port=False)
-    self._server.settimeout(None)
-    port = self._server.getsockname()[1]
-    # Every worker's port, by one all-reduce (all workers start the link together).
-    ports = cluster.gather([port], me.strategy)[:, 0]
-    self._peers = [(a.rsplit(":", 1)[0], int(p)) for a, p in zip(me.addresses, ports)]
-    self._mailbox = collections.defaultdict(list)
-    self._arrived = threading.Condition()
-    self._neighbour_sock = None
-    self._neighbour_down_until = 0.0
-    # `fn(header)` -> where the files of a message go (None: into memory).
-    self.spool = None
-    threading.Thread(target=self._serve, name="tfdp-peer-server", daemon=True).start()
+  def __init__(self, me, secret: bytes, directory: str, *, on_replica, on_done, incoming):
+    self._me, self._secret, self._directory = me, secret, directory
+    self._on_replica, self._on_done, self._incoming = on_replica, on_done, incoming
+    self._host = own_host(me.address)
+    self._server = socket.create_server((self._host, 0), reuse_port=False)
+    self.port = self._server.getsockname()[1]
+    self._peers = []
+    self._lock = threading.Lock()
+    self._conns, self._threads = set(), set()
+    self._slots = threading.BoundedSemaphore(max_connections(me.count))
+    self._expected = {}  # (kind, step, sender) -> _Expected
+    self._out = {}  # worker -> authenticated socket (per-worker states, done)
+    self._down_until = {}
+    self.refusals = _Refusals()
+    self._warned = set()
+    self._closed = False
+    self._accept = None
+
+  def start(self, peers) -> None:
+    """Serves, knowing every worker's (host, port) by index."""
+    self._peers = [tuple(p) for p in peers]
+    self._accept = threading.Thread(target=self._serve, name="tfdp-peer-server", daemon=True)
+    self._accept.start()
+
+  @property
+  def address(self) -> str:
+    return f"{self._host}:{self.port}"
+
+  @property
+  def open(self) -> bool:
+    return bool(self._peers) and not self._closed
 
   @property
   def neighbour(self) -> int:
@@ -206,83 +151,280 @@ class PeerLink:
   def _serve(self):
     while True:
       try:
-        conn, _ = self._server.accept()
+        conn, addr = self._server.accept()
       except OSError:
         return
-      threading.Thread(target=self._handle, args=(conn,), name="tfdp-peer-conn",
-                       daemon=True).start()
+      if self._closed:
+        conn.close()
+        return
+      if not self._slots.acquire(blocking=False):
+        conn.close()
+        self.refusals.note(f"{addr[0]}:{addr[1]}", wire.Refused(
+            f"more than {max_connections(self._me.count)} connections at once", "limit"))
+        continue
+      thread = threading.Thread(target=self._handle, args=(conn, addr), name="tfdp-peer-conn",
+                                daemon=True)
+      with self._lock:
+        self._conns.add(conn)
+        self._threads.add(thread)
+      thread.start()
 
-  def _handle(self, conn):
-    with conn:
-      while True:
-        try:
-          header, blobs = _recv(conn, self.spool)
-        except (ConnectionError, OSError, ValueError, struct.error) as e:
-          if not isinstance(e, ConnectionError) or str(e) != "peer closed the connection":
-            logging.warning("tfdp: a message from a peer was cut short: %s", e)
+  def _handle(self, conn, addr):
+    where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+    try:
+      conn.settimeout(wire.HANDSHAKE_S)
+      try:
+        sender = wire.serve_handshake(conn, self._secret, self._me.count)
+      except OSError as e:  # Not even a handshake: a stranger, or a port scan.
+        raise wire.Refused(f"the handshake did not complete ({e})", "handshake") from None
+      while not self._closed:
+        conn.settimeout(None)  # An authenticated peer's connection idles between saves.
+        header = wire.read_header(conn)
+        if header is None:
           return
-        if header["kind"] == "per_worker":
-          try:
-            self.copies.put(header["from"], header["step"], header, blobs)
-          except OSError as e:
-            logging.warning("tfdp: could not keep worker %d's per-worker state: %s",
-                            header["from"], e)
-        else:
-          with self._arrived:
-            self._mailbox[(header["kind"], header["step"])].append((header, blobs))
-            self._arrived.notify_all()
+        wire.check_header(header, sender, self._me.count)
+        conn.settimeout(STALL_S)
+        self._dispatch(conn, sender, header)
+    except wire.Refused as e:
+      self.refusals.note(where, e)
+    except (OSError, ValueError) as e:
+      if not self._closed and not (isinstance(e, ConnectionError) and
+                                   str(e) == "peer closed the connection"):
+        self._warn_once("cut", "tfdp: a message from a peer was cut short: %s", e)
+    finally:
+      try:
+        conn.close()
+      finally:
+        with self._lock:
+          self._conns.discard(conn)
+          self._threads.discard(threading.current_thread())
+        self._slots.release()
 
-  def receive(self, kind: str, step: int, timeout: float):
-    """Waits for a message of `kind` about `step` (sent by `send` during a restore)."""
-    deadline = time.monotonic() + timeout
-    with self._arrived:
-      while not self._mailbox[(kind, step)]:
-        left = deadline - time.monotonic()
-        if left <= 0:
-          raise TimeoutError(f"no {kind} message about step {step} within {timeout:.0f}s")
-        self._arrived.wait(left)
-      return self._mailbox[(kind, step)].pop(0)
+  def _check_space(self, nbytes):
+    free = fs.free_bytes(self._directory) if nbytes else None
+    if free is not None and nbytes > free:
+      raise wire.Refused(f"{nbytes} bytes, {free} free in the local tier", "space")
+
+  def _dispatch(self, conn, sender, header):
+    kind, step, sizes = header["kind"], header["step"], header["sizes"]
+    if kind == wire.PER_WORKER:
+      if sender != self.left:
+        raise wire.Refused(f"a per-worker state from worker {sender}, which is not this "
+                           "worker's left neighbour", "neighbour")
+      if sum(sizes) > MAX_PER_WORKER_BYTES:
+        raise wire.Refused(f"a per-worker state of {sum(sizes)} bytes", "size")
+      self._check_space(sum(sizes))
+      self._on_replica(sender, step, header, wire.read_blobs(conn, sizes))
+      wire.send(conn, {"kind": wire.ACK, "step": step, "from": self._me.index})
+      return
+    if kind == wire.DONE:
+      self._on_done(sender, step)
+      return
+    with self._lock:
+      expected = self._expected.get((kind, step, sender))
+      if expected is not None and expected.started.is_set():
+        expected = None
+      if expected is not None:
+        expected.started.set()
+    if expected is None:
+      raise wire.Refused(f"an unexpected {kind} of step {step} from worker {sender}", "unexpected")
+    try:
+      if kind == wire.COPY:
+        man, paths = self._incoming(step, header["manifest"], sizes)
+        self._check_space(sum(sizes))
+        _spool(conn, paths, sizes)
+        expected.finish((header, man, paths))
+      else:
+        if sum(sizes) > MAX_PER_WORKER_BYTES:
+          raise wire.Refused(f"a per-worker state of {sum(sizes)} bytes", "size")
+        expected.finish((header, wire.read_blobs(conn, sizes)))
+    except BaseException as e:
+      expected.finish(error=e)
+      raise
+
+  def expect(self, kind: str, step: int, sender: int) -> tuple:
+    """Registers a message a restore waits for (before the agreement that lets the sender send)."""
+    key = (kind, step, sender)
+    with self._lock:
+      self._expected[key] = _Expected()
+    return key
+
+  def forget(self, key: tuple) -> None:
+    """Unregisters a message `expect` registered and nobody will send."""
+    with self._lock:
+      self._expected.pop(key, None)
+
+  def wait(self, key: tuple, start_timeout: float = START_S):
+    """The message registered by `expect`: (header, manifest, paths) of a copy, (header, blobs) else.
+
+    A sender that does not start within `start_timeout`, or that stops
+    sending for STALL_S, has failed: a dead holder is seen in seconds.
+
+    Raises:
+      TimeoutError, OSError, wire.Refused: it did not arrive whole.
+    """
+    with self._lock:
+      expected = self._expected[key]
+    kind, step, sender = key
+    try:
+      if not expected.started.wait(start_timeout):
+        raise TimeoutError(f"worker {sender} did not start sending the {kind} of step {step} "
+                           f"within {start_timeout:.0f}s")
+      while not expected.done.wait(1.0):
+        if self._closed:
+          raise ConnectionError("the side channel was closed")
+      if expected.error is not None:
+        raise expected.error
+      return expected.result
+    finally:
+      self.forget(key)
 
   # -- sending --
 
-  def send(self, to: int, kind: str, step: int, header: dict, blobs=(), paths=()) -> None:
-    """Sends one message to worker `to` on a connection of its own (restores): blobs, or files."""
-    header = dict(header, kind=kind, step=step, **{"from": self._me.index})
-    with socket.create_connection(self._peers[to], timeout=_CONNECT_TIMEOUT_S) as sock:
-      sock.settimeout(None)
-      if paths:
-        _send_files(sock, dict(header, files=[os.path.basename(p) for p in paths]), paths)
-      else:
-        _send(sock, header, blobs)
+  def _connect(self, to: int) -> socket.socket:
+    sock = socket.create_connection(self._peers[to], timeout=_CONNECT_TIMEOUT_S)
+    try:
+      wire.client_handshake(sock, self._secret, self._me.index)
+    except BaseException:
+      sock.close()
+      raise
+    return sock
 
-  def replicate(self, step: int, tensors: dict, **extra) -> None:
+  def send_copy(self, to: int, step: int, manifest_json: str, paths) -> None:
+    """Sends a local copy's files to worker `to` on a connection of its own (a restore)."""
+    header = {"kind": wire.COPY, "step": step, "from": self._me.index, "manifest": manifest_json}
+    with self._connect(to) as sock:
+      sock.settimeout(STALL_S)
+      wire.send_files(sock, header, paths,
+                      after_first=lambda: faults.reached(TRANSFER_FAULT, self._me.index))
+
+  def send_state(self, to: int, step: int, keys, token: str, blobs) -> None:
+    """Sends worker `to` its own per-worker state at `step`, which this worker kept (a restore)."""
+    header = {"kind": wire.PER_WORKER_COPY, "step": step, "from": self._me.index,
+              "keys": list(keys), "token": token}
+    with self._connect(to) as sock:
+      sock.settimeout(STALL_S)
+      wire.send(sock, header, blobs)
+
+  def _outbound(self, to):
+    with self._lock:
+      sock = self._out.get(to)
+    if sock is None:
+      sock = self._connect(to)
+      with self._lock:
+        self._out[to] = sock
+    return sock
+
+  def _failed(self, to, what, e):
+    self._down_until[to] = time.monotonic() + _RETRY_S
+    with self._lock:
+      sock = self._out.pop(to, None)
+    if sock is not None:
+      sock.close()
+    if isinstance(e, _Closed):  # It finished (or stopped) and closed its side channel.
+      logging.info("tfdp: worker %d closed its side channel; %s not sent.", to, what)
+      return
+    self._warn_once(("send", to), "tfdp: cannot send %s to worker %d (%s); a replaced host "
+                    "then restarts from the newest step complete on every worker.", what, to, e)
+
+  def replicate(self, step: int, tensors: dict, token: str) -> bool:
     """Sends this worker's per-worker state at `step` to its neighbour (the writer thread calls it).
 
-    A neighbour that cannot be reached is logged once and tried again later;
-    training never waits for it.
+    Returns:
+      Whether the neighbour acknowledged it. One that cannot be reached is
+      logged once and tried again later; training never waits for it.
     """
-    if time.monotonic() < self._neighbour_down_until:
-      return
-    description, blobs = tensors_to_wire(tensors)
+    to = self.neighbour
+    if self._closed or time.monotonic() < self._down_until.get(to, 0.0):
+      return False
+    description, blobs = wire.tensors_to_wire(tensors)
+    header = {"kind": wire.PER_WORKER, "step": step, "from": self._me.index,
+              "keys": description["keys"], "token": token, "world_size": self._me.count}
     try:
-      if self._neighbour_sock is None:
-        self._neighbour_sock = socket.create_connection(self._peers[self.neighbour],
-                                                        timeout=_CONNECT_TIMEOUT_S)
-        self._neighbour_sock.settimeout(_CONNECT_TIMEOUT_S)
-      _send(self._neighbour_sock, dict(description, kind="per_worker", step=step,
-                                       **{"from": self._me.index}, **extra), blobs)
-    except OSError as e:
-      if self._neighbour_down_until == 0.0:
-        logging.warning("tfdp: cannot send the per-worker state to worker %d (%s); a "
-                        "replaced host then restarts from the newest step all hold.",
-                        self.neighbour, e)
-      self._neighbour_down_until = time.monotonic() + _RETRY_S
-      self.close_neighbour()
+      sock = self._outbound(to)
+      sock.settimeout(_ACK_TIMEOUT_S)
+      wire.send(sock, header, blobs)
+      ack = wire.read_header(sock)
+      if ack is None:
+        raise _Closed("the neighbour closed the connection")
+      wire.check_header(ack, to, self._me.count)
+      if ack["kind"] != wire.ACK or ack["step"] != step:
+        raise ConnectionError(f"expected the ack of step {step}, got {ack['kind']}")
+      return True
+    except (OSError, wire.Refused) as e:
+      self._failed(to, "the per-worker state", e)
+      return False
 
-  def close_neighbour(self):
-    if self._neighbour_sock is not None:
+  def report_done(self, step: int, skip=()) -> None:
+    """Tells every other worker (but `skip`) that this worker's part of `step` is done."""
+    for to in range(self._me.count):
+      if (to == self._me.index or to in skip or self._closed
+          or time.monotonic() < self._down_until.get(to, 0.0)):
+        continue
       try:
-        self._neighbour_sock.close()
+        wire.send(self._outbound(to), {"kind": wire.DONE, "step": step, "from": self._me.index})
+      except OSError as e:
+        self._failed(to, "that a step is done", e)
+
+  def _warn_once(self, key, msg, *args):
+    if key not in self._warned:
+      self._warned.add(key)
+      logging.warning(msg, *args)
+
+  def close(self) -> None:
+    """Ends the listener, its threads and the outgoing connections; a closed link sends nothing."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self._server.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+    self._server.close()
+    if self._accept is not None:
+      self._accept.join(timeout=5)
+    with self._lock:
+      socks = list(self._conns) + list(self._out.values())
+      self._out.clear()
+      threads = list(self._threads)
+      expected = list(self._expected.values())
+    for sock in socks:
+      try:
+        sock.shutdown(socket.SHUT_RDWR)
       except OSError:
         pass
-      self._neighbour_sock = None
+      sock.close()
+    for e in expected:
+      e.finish(error=ConnectionError("the side channel was closed"))
+    for thread in threads:
+      thread.join(timeout=5)
+    if self.refusals.count:
+      logging.warning("tfdp: the local tier's side channel dropped %d connection(s) or "
+                      "message(s) that were not of this job or not well formed.",
+                      self.refusals.count)
+
+
+def _spool(conn, paths, sizes):
+  """Writes a copy's files as they arrive; removes them all when the transfer is cut short."""
+  chunk = bytearray(_CHUNK)
+  view = memoryview(chunk)
+  try:
+    for path, size in zip(paths, sizes):
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      try:
+        left = size
+        while left:
+          k = conn.recv_into(view[:min(left, _CHUNK)])
+          if not k:
+            raise ConnectionError("the sender stopped in the middle of the copy")
+          os.write(fd, view[:k])
+          left -= k
+      finally:
+        os.close(fd)
+  except BaseException:
+    for path in paths:
+      try:
+        os.remove(path)
+      except OSError:
+        pass
+    raise

@@ -1,4 +1,4 @@
-"""The tiers at restore: the newest state the workers can have, and a lost local copy recovered from peers."""
+"""The tiers at restore: the newest state the workers can have, agreed, and a lost local copy recovered from peers."""
 
 import dataclasses
 import time
@@ -8,15 +8,15 @@ import numpy as np
 
 from tfdp import cluster
 from tfdp import errors
+from tfdp.checkpoint import generations
 from tfdp.checkpoint import local as local_lib
-from tfdp.checkpoint import peers
 from tfdp.checkpoint import restore as restore_lib
+from tfdp.checkpoint import wire
 
-LOCAL_KEEP = local_lib.LOCAL_KEEP
+SLOTS = generations.MAX_KEEP  # Own copies and kept states each worker offers.
 
-# Outcomes of one worker's restore in the protocol.
-_OK = "ok"
-_DAMAGED = "damaged"
+# Outcomes of one worker's part of an attempt, ordered: the agreement is the worst.
+OK, FAILED, REFUSED = 0, 1, 2  # REFUSED: before_restore raised (the caller's error).
 
 
 # -- choosing what to restore --
@@ -34,23 +34,27 @@ class Choice:
   holders: tuple[int, ...] = ()
   per_worker: bool = False
 
+  def describe(self) -> str:
+    return "the persistent tier" if self.kind == "persistent" else f"{self.kind} step {self.step}"
+
 
 def offer(held: list[local_lib.Held], persistent_step: int | None,
-          kept_for_left: list[int] = ()) -> list[float]:
+          kept_for_left: list[int] = (), *, no_peer: bool = False, link: bool = True) -> list[float]:
   """This worker's row of the agreement.
 
-  [persistent step + 1, (step + 1, required) x LOCAL_KEEP of its own copies,
-  step + 1 x LOCAL_KEEP of the per-worker states it keeps of its left
-  neighbour], newest first, 0 for none.
+  [persistent step + 1, (step + 1, required) x SLOTS of its own copies,
+  step + 1 x SLOTS of the per-worker states it keeps of its left
+  neighbour, no peer recovery, side channel open], newest first, 0 for none.
   """
   row = [0.0 if persistent_step is None else persistent_step + 1.0]
-  for i in range(LOCAL_KEEP):
+  for i in range(SLOTS):
     if i < len(held):
       row += [held[i].step + 1.0, 1.0 if held[i].manifest.per_worker_required else 0.0]
     else:
       row += [0.0, 0.0]
-  kept = sorted(kept_for_left, reverse=True)[:LOCAL_KEEP]
-  return row + [s + 1.0 for s in kept] + [0.0] * (LOCAL_KEEP - len(kept))
+  kept = sorted(kept_for_left, reverse=True)[:SLOTS]
+  return row + [s + 1.0 for s in kept] + [0.0] * (SLOTS - len(kept)) + [
+      1.0 if no_peer else 0.0, 1.0 if link else 0.0]
 
 
 def choose(table) -> Choice:
@@ -60,21 +64,23 @@ def choose(table) -> Choice:
   persistent tier's (or as new, and held by every worker): "local" when
   every worker holds it; "peer" when some do and each of the others can get
   its per-worker state (when the step's is required: a plain `fit`'s data
-  position) from its neighbour. Otherwise the next older local step is
-  tried, and at last the persistent tier.
+  position) from its neighbour, unless a worker said no peer recovery (one
+  just failed) or a side channel is closed. Otherwise the next older local
+  step is tried, and at last the persistent tier.
   """
   table = np.asarray(table, np.float64)
   n = len(table)
   persistent = int(table[:, 0].min()) - 1  # -1: none (0 on any worker).
+  peer_ok = not table[:, -2].any() and table[:, -1].all()
   holders, required, kept = {}, {}, {}
   for w, row in enumerate(table):
-    for i in range(LOCAL_KEEP):
+    for i in range(SLOTS):
       step = int(row[1 + 2 * i]) - 1
       if step >= 0:
         holders.setdefault(step, []).append(w)
         required[step] = required.get(step, False) or bool(row[2 + 2 * i])
     # Worker w keeps the per-worker states of worker w - 1.
-    kept[(w - 1) % n] = {int(s) - 1 for s in row[1 + 2 * LOCAL_KEEP:] if s > 0}
+    kept[(w - 1) % n] = {int(s) - 1 for s in row[1 + 2 * SLOTS:1 + 3 * SLOTS] if s > 0}
   for step in sorted(holders, reverse=True):
     if step < persistent:
       break
@@ -82,12 +88,46 @@ def choose(table) -> Choice:
     if len(who) == n:
       return Choice("local", step, who)
     missing = [w for w in range(n) if w not in who]
-    if step > persistent and (not required[step] or all(step in kept[w] for w in missing)):
+    if peer_ok and step > persistent and (
+        not required[step] or all(step in kept[w] for w in missing)):
       return Choice("peer", step, who, per_worker=required[step])
   return Choice("persistent")
 
 
 # -- the protocol --
+
+def restore_newest(checkpoint, tier: local_lib.LocalTier | None, me: cluster.Worker,
+                   restorer: restore_lib.Restorer, before_restore=None) -> restore_lib.Restored | None:
+  """Restores the newest state the workers can have, from any tier, agreed (every worker calls it).
+
+  The local tiers first (`TieredRestore`), then the persistent checkpoints
+  (`Restorer.newest_intact`). When anything failed on the way, the chief
+  logs one line: what was tried, and what was restored. A fresh start (None)
+  deletes the local copies, as a restore deletes those newer than it.
+  """
+  found, tried, applied = None, [], False
+  restorer.applied = False
+  if tier is not None:
+    tier.wait()
+    tiered = TieredRestore(checkpoint, tier, me, restorer.restore_per_worker)
+    found = tiered.run(restorer.newest_step(), before_restore)
+    tried, applied = tiered.tried, tiered.applied
+  found = found or restorer.newest_intact(before_restore, tried)
+  if tried and me.is_chief:
+    logging.warning("tfdp: restore: tried %s; restored %s.", ", then ".join(tried),
+                    f"{found.prefix} ({found.tier} tier)" if found else "nothing (a fresh start)")
+  if found is None and tried and cluster.agree(
+      1.0 if applied or restorer.applied else 0.0, "max", me.strategy):
+    # A failed attempt restored part of the state on some worker: starting
+    # over now would start the workers from different states.
+    raise errors.CheckpointError(
+        f"Nothing could be restored ({', then '.join(tried)}), and a failed attempt had "
+        "already restored part of the state on a worker: not starting over with it. Run "
+        "the job again: what failed is deleted or set aside, so it starts over cleanly.")
+  if found is None and tier is not None:
+    tier.restored(None, None)
+  return found
+
 
 class TieredRestore:
   """Restores the newest state the workers can have from the local tiers (every worker runs it).
@@ -103,7 +143,15 @@ class TieredRestore:
      files, and its neighbour its per-worker state, over the side channel
      (tfdp.checkpoint.peers); that worker makes them its own local copy
      (`LocalTier.receive`) and restores it;
-  4. a worker whose copy turned out damaged deletes it, and all go back to 1.
+  4. one all-reduce of every worker's outcome: any failure (a damaged copy,
+     a read error, a transfer cut short or timed out) moves every worker
+     to the next candidate together. The failed step's copies are deleted
+     on every worker, and after a failed transfer no peer recovery is tried
+     again, so the next choice differs: an older step all hold, then the
+     persistent tier. Before a transfer every worker notes it on disk
+     (`LocalTier.mark_recovery`): a restart after a crash during one
+     (a holder SIGKILLed) deletes that step's copies and tries no peer
+     recovery, instead of making the same choice again.
 
   Args:
     checkpoint: the `tf.train.Checkpoint` to restore into.
@@ -111,16 +159,18 @@ class TieredRestore:
     me: this worker (`tfdp.cluster.Worker`, with its strategy).
     restore_per_worker: `fn(prefix, manifest)` restoring this worker's own
       per-worker state from a copy.
-    timeout: seconds a worker waits for what its peers send.
   """
 
   def __init__(self, checkpoint, tier: local_lib.LocalTier, me: cluster.Worker,
-               restore_per_worker, timeout: float):
+               restore_per_worker):
     self._checkpoint = checkpoint
     self._tier = tier
     self._me = me
     self._restore_per_worker = restore_per_worker
-    self._timeout = timeout
+    self.tried = []  # What was tried and failed, for the one line the caller logs.
+    self._received = None  # This worker's copy made of what a peer sent.
+    self._refusal = None  # What before_restore raised on this worker.
+    self.applied = False  # A restore of a failed attempt changed this worker's state.
 
   def run(self, persistent_step: int | None, before_restore=None) -> restore_lib.Restored | None:
     """Restores from the local tiers; None: use the persistent tier (nothing was restored)."""
@@ -128,89 +178,113 @@ class TieredRestore:
     # a MultiWorkerMirroredStrategy that is a broadcast, so every worker
     # makes it here, not only those that restore before the others.
     self._checkpoint.save_counter  # pylint: disable=pointless-statement
-    link = self._tier.link
-    for _ in range(LOCAL_KEEP + 1):
-      held = self._tier.held()
-      kept = self._tier.kept_for_left()
-      choice = choose(cluster.gather(offer(held, persistent_step, kept), self._me.strategy))
+    tier = self._tier
+    no_peer = bool(tier.failed_recovery())
+    if no_peer:
+      self.tried.append("a peer recovery that an earlier attempt did not finish")
+    # Each failed round deletes a step's copies: bounded by what is held.
+    for _ in range(2 * SLOTS + 2):
+      held = tier.held()
+      link = tier.link is not None and tier.link.open
+      row = offer(held, persistent_step, tier.kept_for_left(), no_peer=no_peer,
+                  link=link or self._me.count == 1)
+      choice = choose(cluster.gather(row, self._me.strategy))
       if choice.kind == "persistent":
-        if self._me.is_chief and held:
-          logging.info("tfdp: no local copy is newer than the persistent tier (step %s).",
-                       persistent_step)
         return None
       start = time.perf_counter()
       mine = next((h for h in held if h.step == choice.step), None)
-      outcome = self._restore(mine, before_restore) if mine is not None else _OK
       seconds = {}
-      if choice.kind == "peer":
-        if self._agree(outcome) != _OK:
-          continue
-        if link is None:  # Unreachable: one worker alone holds it or nothing.
-          raise errors.CheckpointError("peer recovery needs the local tier's side channel")
-        outcome, mine = self._from_peers(choice, mine, before_restore, seconds)
-      if self._agree(outcome) != _OK:
-        continue
-      self._log(choice, mine, time.perf_counter() - start, seconds)
-      return restore_lib.Restored(mine.prefix, mine.manifest, choice.kind)
+      outcome, failed = self._attempt(choice, mine, before_restore, seconds)
+      if outcome == OK:
+        self._log(choice, self._received or mine, time.perf_counter() - start, seconds)
+        return restore_lib.Restored((self._received or mine).prefix,
+                                    (self._received or mine).manifest, choice.kind)
+      self.tried.append(f"{choice.describe()} (failed on worker(s) {failed})")
+      tier.drop_step(choice.step)
+      no_peer = no_peer or choice.kind == "peer"
     return None
 
-  def _from_peers(self, choice, mine, before_restore, seconds):
-    """Sends what others lack, or receives and restores it; returns (outcome, the copy restored)."""
-    me, link, n = self._me.index, self._tier.link, self._me.count
-    missing = [w for w in range(n) if w not in choice.holders]
+  def _attempt(self, choice, mine, before_restore, seconds):
+    """One choice, on every worker: (the agreed outcome, the workers where it failed)."""
+    self._received = None
+    outcome = self._restore(mine, before_restore) if mine is not None else OK
+    if choice.kind == "peer":
+      link, n, me = self._tier.link, self._me.count, self._me.index
+      missing = [w for w in range(n) if w not in choice.holders]
+      waits = []
+      if me in missing:  # Registered before the agreement lets the senders send.
+        waits.append(link.expect(wire.COPY, choice.step, choice.holders[0]))
+        if choice.per_worker:
+          waits.append(link.expect(wire.PER_WORKER_COPY, choice.step, (me + 1) % n))
+      self._tier.mark_recovery(choice.step)
+      worst, failed = self._agree(outcome)
+      if worst != OK:
+        for key in waits:
+          link.forget(key)
+        return worst, failed
+      outcome = self._transfer(choice, mine, missing, waits, before_restore, seconds)
+    return self._agree(outcome)
+
+  def _transfer(self, choice, mine, missing, waits, before_restore, seconds):
+    """Sends what others lack, or receives and restores it; returns this worker's outcome."""
+    me, link, n, tier = self._me.index, self._tier.link, self._me.count, self._tier
     try:
       if me == choice.holders[0]:
         for w in missing:
-          link.send(w, "copy", choice.step, {"manifest": mine.manifest.to_json()},
-                    paths=self._tier.files_of(mine.prefix))
+          link.send_copy(w, choice.step, mine.manifest.to_json(), tier.files_of(mine))
       if choice.per_worker:
         for w in missing:
           if (w + 1) % n == me:
-            description, blobs = link.copies.get(w, choice.step)
-            link.send(w, "per_worker_copy", choice.step, description, blobs)
-      if me not in missing:
-        return _OK, mine
+            header, blobs = tier.replicas.get(w, choice.step)
+            link.send_state(w, choice.step, header["keys"], header["token"], blobs)
+      if not waits:
+        return OK
       start = time.perf_counter()
-      header, paths = link.receive("copy", choice.step, self._timeout)
+      _, offered, _ = link.wait(waits[0])
       own = None
       if choice.per_worker:
-        own = link.receive("per_worker_copy", choice.step, self._timeout)
-        own = peers.tensors_from_wire(*own)
+        header, blobs = link.wait(waits[1])
+        own = wire.tensors_from_wire(header, blobs)
       seconds["transfer"] = time.perf_counter() - start
-      received = self._tier.receive(choice.step, header, paths, own)
+      self._received = tier.receive(choice.step, offered, own)
       seconds["write"] = time.perf_counter() - start - seconds["transfer"]
-      outcome = self._restore(received, before_restore, per_worker=choice.per_worker)
+      outcome = self._restore(self._received, before_restore, per_worker=choice.per_worker)
       seconds["restore"] = time.perf_counter() - start - sum(seconds.values())
-      return outcome, received
+      return outcome
     except Exception as e:  # pylint: disable=broad-except
-      return e, mine  # Raised on every worker by the agreement.
+      logging.warning("tfdp: the peer recovery of step %d failed on this worker: %s",
+                      choice.step, e)
+      tier.discard_incoming(choice.step)
+      return FAILED
 
   def _restore(self, held, before_restore, per_worker=True):
-    """Restores one local copy; returns _OK, _DAMAGED (the copy is deleted) or the exception."""
-    try:
-      if before_restore is not None:
+    """Restores one local copy; returns OK, FAILED or REFUSED (before_restore raised)."""
+    if before_restore is not None:
+      try:
         before_restore(held.prefix)
+      except Exception as e:  # pylint: disable=broad-except
+        self._refusal = e
+        return REFUSED
+    try:
+      self.applied = True  # From here on the state may be changed, even if it fails.
       restore_lib.restore_verified(self._checkpoint, held.prefix, held.manifest)
       if per_worker:
         self._restore_per_worker(held.prefix, held.manifest)
-      return _OK
-    except errors.CorruptCheckpointError as e:
-      logging.warning("tfdp: deleting a damaged local checkpoint: %s", e)
-      self._tier.delete(held.prefix)
-      return _DAMAGED
+      return OK
     except Exception as e:  # pylint: disable=broad-except
-      return e
+      logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)
+      return FAILED
 
   def _agree(self, outcome):
-    """The worst outcome of any worker; a failure other than damage is raised on every worker."""
-    code = 0 if outcome is _OK else 1 if outcome is _DAMAGED else 2
-    worst = int(cluster.agree(code, "max", self._me.strategy))
-    if worst == 2:
-      if isinstance(outcome, Exception):
-        raise outcome
+    """(The worst outcome of any worker, the workers where it failed); a refusal is raised everywhere."""
+    codes = cluster.gather([outcome], self._me.strategy)[:, 0]
+    worst = int(codes.max())
+    if worst == REFUSED:
+      if outcome == REFUSED:
+        raise self._refusal
       raise errors.CheckpointError(
-          "Another worker failed to restore its local checkpoint (its log says why).")
-    return _OK if worst == 0 else _DAMAGED
+          "Another worker refused the checkpoint to restore (its log says why).")
+    return worst, [w for w, c in enumerate(codes) if c != OK]
 
   def _log(self, choice, mine, seconds, phases):
     me = self._me

@@ -1,11 +1,13 @@
-"""Restoring a checkpoint: sizes before any read, TF's per-tensor CRC32C on read, per-worker state."""
+"""Restoring a checkpoint: sizes before any read, TF's per-tensor CRC32C on read, per-worker state, agreed."""
 
 import dataclasses
+import os
 
 from absl import logging
 import tensorflow as tf
 from tensorflow.python.trackable import trackable_utils
 
+from tfdp import cluster
 from tfdp import errors
 from tfdp.checkpoint import catalog as catalog_lib
 from tfdp.checkpoint import layout as layout_lib
@@ -15,6 +17,18 @@ from tfdp.checkpoint import storage
 # What TF raises when a checkpoint's bytes are missing, short or wrong.
 _CORRUPT = (tf.errors.DataLossError, tf.errors.OutOfRangeError,
             tf.errors.NotFoundError, IndexError)
+# Errors of reading a checkpoint that another attempt, or an older
+# checkpoint, may not have; anything else (e.g. a checkpoint of another
+# model) is the caller's to see.
+_UNREADABLE = (errors.CorruptCheckpointError, OSError, tf.errors.UnavailableError,
+               tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+               tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
+               tf.errors.UnknownError, tf.errors.InternalError)
+
+# One worker's outcome of a restore in an agreement. CORRUPT: a file is
+# damaged (set aside); UNREADABLE: a read error (left as it is); REFUSED:
+# before_restore raised, or it is no checkpoint of this model (raised).
+OK, CORRUPT, UNREADABLE, REFUSED = 0, 1, 2, 3
 
 
 def check_sizes(prefix: str, man: manifest_lib.Manifest | None) -> None:
@@ -138,25 +152,21 @@ class Restorer:
     self._per_worker = per_worker
     self._verify = verify_sizes
     self._lease = lease
+    self.applied = False  # A restore of newest_intact changed this worker's state.
 
   def candidates(self):
-    """Yields (prefix, manifest) of the checkpoints, newest first, whose files are all there.
-
-    A checkpoint with a missing or short file is set aside, with a warning.
-    """
+    """Yields (prefix, manifest) of the checkpoints, newest first (nothing checked yet)."""
     for prefix in self._catalog.candidates():
-      man = self._catalog.manifest(prefix)
+      yield prefix, self._catalog.manifest(prefix)
+
+  def newest_step(self) -> int | None:
+    """The step of the newest checkpoint whose files are all there, or None (nothing is set aside)."""
+    for prefix, man in self.candidates():
       if self._verify:
         try:
           check_sizes(prefix, man)
-        except errors.CorruptCheckpointError as e:
-          logging.warning("tfdp: Skipping a corrupt checkpoint: %s", self.set_aside(prefix, e))
+        except errors.CorruptCheckpointError:
           continue
-      yield prefix, man
-
-  def newest_step(self) -> int | None:
-    """The step of the newest intact checkpoint, or None."""
-    for prefix, man in self.candidates():
       return man.step if man is not None else layout_lib.number_of(prefix)
     return None
 
@@ -185,27 +195,89 @@ class Restorer:
     if self._per_worker is not None:
       restore_per_worker(self._per_worker, prefix, self._me.index, man)
 
-  def newest_intact(self, before_restore=None) -> Restored | None:
-    """Restores the newest intact checkpoint; None when there is none.
+  def newest_intact(self, before_restore=None, tried: list | None = None) -> Restored | None:
+    """Restores the newest checkpoint every worker can restore, agreed by all; None when there is none.
+
+    Every worker must call it. In each round the workers agree (one
+    all-reduce) on the newest checkpoint all of them list; each checks its
+    file sizes, calls `before_restore` and restores it; a second all-reduce
+    of the outcomes decides. When any worker failed, every worker moves to
+    the next older one together: one found damaged is set aside by the
+    chief after the agreement (no worker still reads it); one that could
+    not be read (a transient error) is left as it is, and if no older one
+    can be restored either, every worker raises rather than start over.
 
     Args:
       before_restore: optional `fn(prefix)` called before each restore; its
-        exceptions propagate.
+        exceptions propagate (on every worker).
+      tried: a list to append what failed to.
 
     Raises:
-      CheckpointError: nothing to restore, but the directory holds
-        checkpoints nothing accounts for (see Catalog.check_nothing_unknown).
+      CheckpointError: nothing could be read, or nothing to restore but the
+        directory holds checkpoints nothing accounts for (see
+        Catalog.check_nothing_unknown).
     """
-    for prefix, man in self.candidates():
-      try:
-        if before_restore is not None:
-          before_restore(prefix)
-        self.restore(prefix)
-        return Restored(prefix, man, "persistent")
-      except errors.CorruptCheckpointError as e:
-        logging.warning("tfdp: Skipping a corrupt checkpoint: %s", e)
+    bound, unreadable = None, []
+    while True:
+      mine = [(catalog_lib.number_of(p), p, m) for p, m in self.candidates()]
+      mine = [c for c in mine if bound is None or c[0] < bound]
+      # number + 2: TF's own checkpoints without a number are -1, none is 0.
+      agreed = int(cluster.agree(mine[0][0] + 2 if mine else 0, "min", self._me.strategy)) - 2
+      if agreed < -1:
+        break
+      found = next(((p, m) for n, p, m in mine if n == agreed), None)
+      outcome, error = self._attempt(found, before_restore)
+      codes = [int(c) for c in cluster.gather([outcome], self._me.strategy)[:, 0]]
+      if max(codes) == OK:
+        return Restored(found[0], found[1], "persistent")
+      if max(codes) == REFUSED:
+        if outcome == REFUSED:
+          raise error
+        raise errors.CheckpointError(
+            "Another worker refused the checkpoint to restore (its log says why).")
+      failed = [w for w, c in enumerate(codes) if c != OK]
+      name = os.path.basename(found[0]) if found else f"number {agreed}"
+      if found is not None and CORRUPT in codes:
+        error = error or errors.CorruptCheckpointError(f"worker(s) {failed} found it damaged")
+        logging.warning("tfdp: Skipping a corrupt checkpoint: %s", self.set_aside(found[0], error))
+      elif found is not None:
+        self._catalog.abandon(found[0])
+        unreadable.append(name)
+      if tried is not None:
+        tried.append(f"persistent {name} (failed on worker(s) {failed})")
+      bound = agreed
+    if unreadable:
+      raise errors.CheckpointError(
+          f"{', '.join(unreadable)} in {self._layout.directory} could not be read by every "
+          "worker (their logs say why) and nothing older could be restored: not starting "
+          "over next to them. Run the job again once the storage is readable.")
     self._catalog.check_nothing_unknown()
     return None
+
+  def _attempt(self, found, before_restore):
+    """This worker's part of one round: (OK, None), or (CORRUPT | UNREADABLE | REFUSED, the error)."""
+    if found is None:
+      return UNREADABLE, errors.CheckpointError("this worker does not list it")
+    prefix, man = found
+    try:
+      if self._verify:
+        check_sizes(prefix, man)
+      if before_restore is not None:
+        try:
+          before_restore(prefix)
+        except Exception as e:  # pylint: disable=broad-except
+          return REFUSED, e
+      self.applied = True  # From here on the state may be changed, even if it fails.
+      restore_verified(self._checkpoint, prefix, man)
+      self.restore_per_worker(prefix, man)
+      return OK, None
+    except errors.CorruptCheckpointError as e:
+      return CORRUPT, e  # Set aside after the agreement, with a warning.
+    except _UNREADABLE as e:
+      logging.warning("tfdp: could not read %s on this worker: %s", prefix, e)
+      return UNREADABLE, e
+    except Exception as e:  # pylint: disable=broad-except
+      return REFUSED, e
 
   def set_aside(self, prefix: str, error: Exception) -> Exception:
     """Takes corrupt checkpoint `prefix` out of the managed ones; returns the error to raise.
@@ -220,10 +292,11 @@ class Restorer:
     if self._me.is_chief:
       try:
         self._lease.ensure()
+        self._lease.check()  # Fencing: never in a directory another job holds.
         storage.set_aside(prefix, str(error))
         catalog_lib.write_state(self._layout, self._catalog)
       except tf.errors.OpError as e:
         logging.warning("tfdp: could not set aside %s: %s", prefix, e)
     return errors.CorruptCheckpointError(
-        f"{error} It is no longer a committed checkpoint (set aside as "
+        f"{str(error).rstrip('.')}. It is no longer a committed checkpoint (set aside as "
         f"{layout_lib.corrupt_path(prefix)}); the newest intact one is {latest}.")

@@ -1,5 +1,6 @@
 """How a save's bytes land: shards written and fsynced per worker, markers, the chief's merge and commit."""
 
+from collections.abc import Callable
 from concurrent import futures
 import dataclasses
 import errno
@@ -33,15 +34,9 @@ class SaveJob:
   timeout: float
   meta: manifest_lib.SaveMeta  # Chief only: written into the manifest.
   kept: tuple[str, ...] = ()  # Basenames the manager keeps after this save.
-  # A local-tier save: one worker writes a whole checkpoint alone (worker 0
-  # of a world of 1); `owner` is its index in the job, `world_size` the job's.
-  owner: int | None = None
-  world_size: int | None = None
-
-  @property
-  def fault_worker(self) -> int:
-    """The worker named to fault hooks: the job's index, for a local save too."""
-    return self.worker if self.owner is None else self.owner
+  # The chief's check, just before the commit point, that it still holds
+  # the directory's lease (tfdp.checkpoint.lease.Holder.check).
+  fence: Callable[[], None] | None = None
 
   @property
   def is_chief(self) -> bool:
@@ -117,11 +112,7 @@ def _discard(job):
 def _write_file(job, j, items):
   """Writes and fsyncs one shard file (TF releases the GIL while it writes)."""
   shard_prefix = job.layout.shard_prefix(job.tmp_dir, job.worker, j)
-  with tf.device("/cpu:0"):
-    values = [items_lib.writable(it.value) for it in items]
-    gen_io_ops.save_v2(
-        shard_prefix, [it.key for it in items], [it.slice_spec for it in items], values)
-  nbytes = [items_lib.nbytes(v) for v in values]
+  nbytes = write_shard(shard_prefix, items)
   data = layout_lib.data_filename(shard_prefix, 0, 1)
   index = layout_lib.index_path(shard_prefix)
   fs.fsync_file(data)
@@ -138,7 +129,7 @@ def _write_file(job, j, items):
 
 
 def _write_shards(job):
-  faults.reached("before_shard", job.fault_worker)
+  faults.reached("before_shard", job.worker)
   fs.makedirs(job.tmp_dir)
   if len(job.files) <= 1:  # None when this worker got no tensor.
     shards = [_write_file(job, j, f) for j, f in enumerate(job.files)]
@@ -148,71 +139,85 @@ def _write_shards(job):
         thread_name_prefix="tfdp-ckpt-file") as pool:
       shards = list(pool.map(lambda a: _write_file(job, *a), enumerate(job.files)))
   fs.fsync_dir(job.tmp_dir)
-  faults.reached("after_shard", job.fault_worker)
+  faults.reached("after_shard", job.worker)
   fs.write_json_atomic(job.layout.marker_path(job.tmp_dir, job.worker), {
       "worker": job.worker, "num_workers": job.num_workers,
       "session": job.save_id, "shards": shards, "time": time.time(),
       "bytes_written": sum(s["data"]["size"] + s["index_size"] for s in shards),
       "per_worker_bytes": sum(s["per_worker_bytes"] for s in shards)})
-  faults.reached("after_marker", job.fault_worker)
+  faults.reached("after_marker", job.worker)
 
 
-def write_whole(prefix: str, items: list[planner.Item], record: dict, worker: int) -> dict:
-  """One writer's whole checkpoint straight under `prefix`, committed by its manifest written last.
+def write_shard(prefix: str, items: list[planner.Item]) -> list[int]:
+  """Writes Items as one TF bundle under `prefix` (an index, one data file); returns each one's bytes.
 
-  No temp dir, no markers, no merge: what a local-tier copy needs. A torn
-  write leaves files without a manifest, which `cleanup(..., private=True)`
-  removes.
-
-  Args:
-    prefix: the checkpoint's final prefix.
-    items: its Items (snapshots; variants become bytes here).
-    record: the manifest's fields that do not change from save to save, as
-      a dict (Manifest.to_json's keys); `files`, sizes, prefix and time are
-      filled in here.
-    worker: the writer's index in the job (named to fault hooks).
-
-  Returns:
-    The manifest written, as a dict.
+  Variants (an iterator's position) become bytes here. Not fsynced: `seal`
+  (or the caller) does.
   """
-  faults.reached("before_shard", worker)
-  state_bytes = write_shard(prefix, items)
-  return _commit_whole(prefix, [[it.key for it in items]], state_bytes, record, worker)
-
-
-def write_shard(prefix: str, items: list[planner.Item]) -> int:
-  """Writes Items as one TF bundle under `prefix` (an index, one data file), fsynced; returns their bytes."""
   with tf.device("/cpu:0"):
     values = [items_lib.writable(it.value) for it in items]
     gen_io_ops.save_v2(prefix, [it.key for it in items], [it.slice_spec for it in items],
                        values)
-  fs.fsync_file(layout_lib.data_filename(prefix, 0, 1))
-  fs.fsync_file(layout_lib.index_path(prefix))
-  return sum(items_lib.nbytes(v) for v in values)
+  return [items_lib.nbytes(v) for v in values]
 
 
-def merge_whole(shards: list[tuple[str, list[str]]], prefix: str, record: dict,
-                worker: int) -> dict:
-  """Merges written shards, (prefix, their keys), into checkpoint `prefix` and commits it (see write_whole)."""
+def merge(prefixes: list[str], prefix: str) -> None:
+  """Merges written bundles into one checkpoint `prefix`: their data files, in order, become its."""
   with tf.device("/cpu:0"):
-    gen_io_ops.merge_v2_checkpoints([p for p, _ in shards], prefix, delete_old_dirs=False)
-  n = len(shards)
-  data = sum(fs.size(layout_lib.data_filename(prefix, k, n)) for k in range(n))
-  return _commit_whole(prefix, [keys for _, keys in shards], data, record, worker)
+    gen_io_ops.merge_v2_checkpoints(prefixes, prefix, delete_old_dirs=False)
 
 
-def _commit_whole(prefix, keys_per_file, state_bytes, record, worker):
-  for phase in ("after_shard", "after_marker", "during_commit"):  # One writer: one point.
-    faults.reached(phase, worker)
+def seal(prefix: str, keys_per_file: list[list[str]],
+         sizes: list[int] | None = None) -> list[manifest_lib.FileRecord]:
+  """Makes checkpoint `prefix`'s files durable and describes them for its manifest.
+
+  Args:
+    prefix: a checkpoint whose index and data files are written.
+    keys_per_file: the tensors of each data file, in order.
+    sizes: the bytes each data file must have (what its writer wrote), or None.
+
+  Returns:
+    The index's record (its CRC-32), then one per data file.
+
+  Raises:
+    CheckpointError: a data file has not the size its writer wrote.
+  """
   n = len(keys_per_file)
-  files = [manifest_lib.describe_file(layout_lib.index_path(prefix)).to_dict()]
+  files = []
   for k, keys in enumerate(keys_per_file):
     path = layout_lib.data_filename(prefix, k, n)
-    files.append({"name": os.path.basename(path), "size": fs.size(path), "tensors": keys})
-  record = {k: v for k, v in record.items() if k != "files"}
-  man = dict(record, prefix=os.path.basename(prefix), time=time.time(), files=files,
-             num_shards=n, total_bytes=sum(f["size"] for f in files), state_bytes=state_bytes)
-  manifest_lib.write_manifest_dict(prefix, man)
+    size = fs.size(path)
+    if sizes is not None and size != sizes[k]:
+      raise errors.CheckpointError(
+          f"{path}: {size} bytes after merge, worker wrote {sizes[k]}; the file system "
+          "lost data.")
+    fs.fsync_file(path)
+    files.append(manifest_lib.FileRecord(os.path.basename(path), size, tensors=list(keys)))
+  index = layout_lib.index_path(prefix)
+  fs.fsync_file(index)
+  files.insert(0, manifest_lib.describe_file(index))
+  fs.fsync_dir(os.path.dirname(prefix))
+  return files
+
+
+def commit(prefix: str, man: manifest_lib.Manifest, worker: int,
+           fence: Callable[[], None] | None = None) -> manifest_lib.Manifest:
+  """The commit point of every checkpoint, of both tiers: the manifest, written last.
+
+  Args:
+    prefix: the checkpoint, its files sealed (`seal`).
+    man: its manifest.
+    worker: the committing worker (named to fault hooks).
+    fence: called just before the manifest is written; raises when this
+      writer may no longer commit (a lost lease).
+
+  Returns:
+    `man`, committed.
+  """
+  faults.reached("during_commit", worker)
+  if fence is not None:
+    fence()
+  manifest_lib.write_manifest(prefix, man)
   faults.reached("after_commit", worker)
   return man
 
@@ -257,46 +262,25 @@ def _wait_for_markers(job):
 
 def _commit(job):
   markers = _wait_for_markers(job)
-  # Leftovers of an earlier failed attempt at the same number.
-  for path in catalog.files_of(job.layout, job.prefix):
-    fs.remove(path)
-  shard_prefixes, records = [], []
-  for m in markers:
-    for s in m["shards"]:
-      shard_prefixes.append(os.path.join(job.tmp_dir, s["prefix"]))
-      records.append(s)
-  n = len(shard_prefixes)
-  with tf.device("/cpu:0"):
-    gen_io_ops.merge_v2_checkpoints(shard_prefixes, job.prefix, delete_old_dirs=False)
-  faults.reached("during_commit", job.fault_worker)
-  files = []
-  for k, s in enumerate(records):
-    path = layout_lib.data_filename(job.prefix, k, n)
-    size = fs.size(path)
-    if size != s["data"]["size"]:
-      raise errors.CheckpointError(
-          f"{path}: {size} bytes after merge, worker wrote "
-          f"{s['data']['size']}; the file system lost data.")
-    fs.fsync_file(path)
-    files.append(manifest_lib.FileRecord(os.path.basename(path), size,
-                                         tensors=s["data"]["tensors"]))
-  index = layout_lib.index_path(job.prefix)
-  fs.fsync_file(index)
-  files.insert(0, manifest_lib.describe_file(index))
-  fs.fsync_dir(job.layout.directory)
+  # Leftovers of an earlier failed attempt at the same number, or a
+  # checkpoint a restore could not read and this save replaces (its
+  # manifest first: never a manifest of other files).
+  delete(job.layout, job.prefix)
+  records = [s for m in markers for s in m["shards"]]
+  merge([os.path.join(job.tmp_dir, s["prefix"]) for s in records], job.prefix)
+  files = seal(job.prefix, [s["data"]["tensors"] for s in records],
+               [s["data"]["size"] for s in records])
   man = manifest_lib.Manifest(
       **dataclasses.asdict(job.meta),
       prefix=os.path.basename(job.prefix), time=time.time(), files=files,
-      num_shards=n, total_bytes=sum(f.size for f in files),
+      num_shards=len(records), total_bytes=sum(f.size for f in files),
       state_bytes=sum(s["state_bytes"] for s in records),
-      world_size=job.world_size or job.num_workers, session=job.save_id, kept=list(job.kept),
+      world_size=job.num_workers, session=job.save_id, kept=list(job.kept),
       writers={str(m["worker"]): {"bytes_written": m["bytes_written"],
                                   "files": len(m["shards"]),
                                   "per_worker_bytes": m.get("per_worker_bytes", 0)}
                for m in markers})
-  # The commit point: the checkpoint exists once its manifest does.
-  manifest_lib.write_manifest(job.prefix, man)
-  faults.reached("after_commit", job.fault_worker)
+  commit(job.prefix, man, job.worker, job.fence)
   try:
     fs.rmtree(job.tmp_dir)
   except tf.errors.OpError as e:

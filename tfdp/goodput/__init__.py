@@ -115,6 +115,7 @@ class Recorder:
     _made += 1
     self._ledger = ledger_lib.Ledger.of(
         directory, fallback=os.path.dirname(self.path) if self.path else None)
+    self._reopen = False  # finished() unmapped the progress file; a later step maps it again.
     self._progress = (self._ledger.progress(self.start, _worker_index())
                       if self._ledger else None)
     # The attempts before this one: the launcher's (this launch) and the
@@ -205,6 +206,9 @@ class Recorder:
       step: the global step just completed (the optimizer's iterations).
     """
     now = _now()
+    if self._reopen:  # Training again after finished().
+      self._reopen = False
+      self._progress = self._ledger.progress(self.start, _worker_index())
     if self._progress is not None:
       self._progress.mark(step, now)
     if not self.chief:
@@ -269,8 +273,11 @@ class Recorder:
       The summary (see `summarize`), or None for a worker that is not the chief.
     """
     now = _now()
-    if self._progress is not None:
-      self._progress.mark(int(step), now)
+    progress, self._progress = self._progress, None
+    self._reopen = progress is not None
+    if progress is not None:
+      progress.mark(int(step), now)
+      progress.close()  # Unmapped: what it holds stays in the file.
     if not self.chief:
       return None
     r = self.record
@@ -278,7 +285,7 @@ class Recorder:
     self._write(now)
     mine = {"attempt": r["attempt"], "spawn": self.start, "end": now, "failed": False,
             "heartbeat_steps": [], "record": r,
-            "progress_steps": [self._progress.step] if self._progress else []}
+            "progress_steps": [int(step)] if progress is not None else []}
     summary = summarize(merge(self._found, self._history + [mine]), now)
     if not os.environ.get(ENV_FILE):
       if self.directory:

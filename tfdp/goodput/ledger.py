@@ -107,6 +107,14 @@ class Progress:
   def step(self) -> int:
     return self._q[_STEP]
 
+  def close(self) -> None:
+    """Unmaps the file (what it holds stays in it); marks after this are an error."""
+    if self._map is not None:
+      self._q.release()
+      self._d.release()
+      self._map.close()
+      self._map = None
+
 
 def read_progress(path: str) -> Optional[dict]:
   """A progress file's content: step (None before the first), time, start, pid, worker, host; None if unreadable."""

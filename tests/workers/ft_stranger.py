@@ -1,0 +1,145 @@
+"""A stranger on the same host attacking a running job's side channel (no TensorFlow, standard library only).
+
+Usage: ft_stranger.py REPORT CANARY HOST:PORT... Each target gets, on
+connections of their own: the per-worker frame of the side channel's old,
+unauthenticated protocol (a path-traversal worker id aimed at CANARY, then
+a plausible integer one); a handshake answered without the secret (zeros)
+and with a wrong secret; an oversized header; then 200 connections at
+once. REPORT gets what the server did each time. `insider_frames` sends
+malformed frames on a connection authenticated with the job's secret (the
+caller, a worker of the job, makes it).
+"""
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+import sys
+import time
+
+MAGIC = b"tfdp-peer-v1"  # As tfdp.checkpoint.wire; copied: this process imports no tfdp.
+
+
+def _frame(header, blobs=()):
+  head = json.dumps(dict(header, sizes=[len(b) for b in blobs])).encode()
+  return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def _outcome(sock, wait=1.0):
+  """What the server did after our bytes: 'closed' (dropped us), 'answered N bytes', or 'open'."""
+  sock.settimeout(wait)
+  got = b""
+  try:
+    while True:
+      chunk = sock.recv(4096)
+      if not chunk:
+        return f"closed after {len(got)} bytes"
+      got += chunk
+  except socket.timeout:
+    return f"open, answered {len(got)} bytes"
+  except OSError as e:
+    return f"closed ({e.__class__.__name__}) after {len(got)} bytes"
+
+
+def _attempt(target, send):
+  host, port = target.rsplit(":", 1)
+  try:
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+      send(sock)
+      return _outcome(sock)
+  except OSError as e:
+    return f"refused ({e})"
+
+
+def attacks(target, canary):
+  """{attack: what the server did} for one target."""
+  traversal = f"0/../../../../../../../../{canary.lstrip('/')}"
+  old = {"kind": "per_worker", "from": traversal, "step": 1, "keys": ["data"],
+         "token": "x", "world_size": 2}
+
+  def handshake(key):
+    def send(sock):
+      hello = sock.recv(len(MAGIC) + 32)
+      nonce_s, nonce_c, index = hello[len(MAGIC):], secrets.token_bytes(32), struct.pack("<I", 0)
+      mac = (b"\0" * 32 if key is None else
+             hmac.new(key, b"C" + MAGIC + nonce_s + nonce_c + index, hashlib.sha256).digest())
+      sock.sendall(MAGIC + index + nonce_c + mac)
+      sock.sendall(_frame(dict(old, **{"from": 0}), [b"\0" * 64]))
+    return send
+
+  out = {
+      "unauthenticated per-worker frame, traversal id": _attempt(
+          target, lambda s: s.sendall(_frame(old, [b"\0" * 64]))),
+      "unauthenticated per-worker frame, integer id": _attempt(
+          target, lambda s: s.sendall(_frame(dict(old, **{"from": 0}), [b"\0" * 64]))),
+      "no secret": _attempt(target, handshake(None)),
+      "wrong secret": _attempt(target, handshake(secrets.token_bytes(32))),
+      "oversized header": _attempt(
+          target, lambda s: s.sendall(struct.pack("<Q", 1 << 40) + b"{" * 65536)),
+  }
+  host, port = target.rsplit(":", 1)
+  flood = []
+  for _ in range(200):
+    try:
+      flood.append(socket.create_connection((host, int(port)), timeout=5))
+    except OSError:
+      pass
+  time.sleep(0.5)
+  served = 0
+  for sock in flood:
+    sock.settimeout(0.2)
+    try:
+      served += bool(sock.recv(len(MAGIC)))
+    except OSError:
+      pass
+    sock.close()
+  out["200 connections at once"] = f"{len(flood)} connected, {served} got a handshake"
+  # The server still serves once the flood is over.
+  out["after the flood"] = _attempt(target, lambda s: None)
+  return out
+
+
+def insider_frames(connect, canary):
+  """Malformed frames, each on a connection `connect()` returns authenticated: {frame: what the server did}."""
+  traversal = f"0/../../../../../../../../{canary.lstrip('/')}"
+  good = {"kind": "per_worker", "from": 0, "step": 777777, "keys": ["data"], "token": "x",
+          "world_size": 2}
+  frames = {
+      "traversal id": dict(good, **{"from": traversal}),
+      "negative id": dict(good, **{"from": -1}),
+      "id out of range": dict(good, **{"from": 5}),
+      "string step": dict(good, step="777777"),
+      "negative step": dict(good, step=-3),
+      "float step": dict(good, step=7.5),
+      "bool id": dict(good, **{"from": True}),
+      "unknown kind": dict(good, kind="exec"),
+      "unknown field": dict(good, path=traversal),
+      "wrong world size": dict(good, world_size=3),
+      "key list mismatch": dict(good, keys=["a", "b"]),
+      "unexpected copy": {"kind": "copy", "from": 0, "step": 777777,
+                          "manifest": json.dumps({"prefix": traversal, "files": []})},
+  }
+  out = {}
+  for name, header in frames.items():
+    with connect() as sock:
+      sock.sendall(_frame(header, [b"\0" * 64] if header.get("kind") != "copy" else [b"x", b"y"]))
+      out[name] = _outcome(sock)
+  with connect() as sock:
+    sock.sendall(struct.pack("<Q", 1 << 40))
+    out["oversized header"] = _outcome(sock)
+  with connect() as sock:
+    sock.sendall(struct.pack("<Q", 5) + b"\xff\xfe{[\x00")
+    out["not JSON"] = _outcome(sock)
+  return out
+
+
+def main(report, canary, *targets):
+  with open(report, "w", encoding="utf-8") as f:
+    json.dump({t: attacks(t, canary) for t in targets}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])
