@@ -9,7 +9,9 @@ import tensorflow as tf
 
 from tfdp import backup_watch
 from tfdp import callbacks
+from tfdp import cluster
 from tfdp import errors
+from tfdp.checkpoint import cadence
 
 
 def test_a_backup_dir_it_cannot_write_is_one_config_error_when_the_callback_is_built(tmp_path):
@@ -23,22 +25,28 @@ def test_a_backup_dir_it_cannot_write_is_one_config_error_when_the_callback_is_b
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
-def _backup(interval, costs=((0.004, 0.002),) * 3, save_freq=20):
-  manager = types.SimpleNamespace(local_interval=interval, _local=types.SimpleNamespace(
-      costs=list(costs)), latest_checkpoint=None)
+def _backup(save_freq=20):
+  manager = types.SimpleNamespace(local_tuning=None, latest_checkpoint=None)
   return types.SimpleNamespace(manager=manager, local_checkpoint_every_steps="auto",
                                save_freq=save_freq, checkpoint_overhead=0.02)
 
 
 def test_the_interval_auto_chose_is_said_at_each_new_choice_and_a_sparser_one_warned_once(
-    capsys, caplog):
-  backup, watch = _backup(1), backup_watch.Watch()
-  watch.train_begin(0)
-  # The local tier measures when the step crosses a multiple of 25, counted
-  # from its first save (after step 1): at steps 25, 50, 75.
-  for step, interval in ((1, 1), (24, 1), (25, 30), (50, 30), (75, 8), (100, 40)):
-    backup.manager.local_interval = interval
-    watch.batch_begin(backup, step)
+    capsys, caplog, monkeypatch):
+  """The chief says each of the local cadence's choices once, and warns once of a sparser one."""
+  me = cluster.Worker(index=0, count=1)
+  tier = cadence.LocalCadence("auto", 0.02, me)
+  backup, watch = _backup(), backup_watch.Watch()
+  # A save costs 6 ms; the steps' times decide the interval at steps 25, 50, 75, 100.
+  costs = lambda: [(0.004, 0.002)] * 3  # pylint: disable=unnecessary-lambda-assignment
+  clock = [0.0]
+  monkeypatch.setattr(cadence.time, "perf_counter", lambda: clock[0])
+  for step in range(1, 101):
+    # 10 ms steps (an interval of 30), then 37.5 ms ones (8), then 7.5 ms (40).
+    clock[0] += 0.010 if step <= 50 else 0.0375 if step <= 75 else 0.0075
+    tier.due(step, costs)
+    backup.manager.local_tuning = tier.tuning
+    watch.batch_begin(backup)
   lines = capsys.readouterr().out.splitlines()
   assert [int(l.split()[4]) for l in lines] == [30, 8, 40], lines
   assert lines[0].startswith("tfdp: local saves every 30 step(s) (local_checkpoint_every_steps="

@@ -319,7 +319,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     step = state_lib.global_step(self.model)
     self._first_epoch_done = skipped
     self._cadence.start(step)
-    self._continue_callbacks(step)
+    self._continue_callbacks()
 
   def on_epoch_begin(self, epoch, logs=None):
     step = state_lib.global_step(self.model)
@@ -381,7 +381,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def on_train_batch_begin(self, batch, logs=None):
     if self.manager is not None and self.manager.is_chief:
-      self._watch.batch_begin(self, state_lib.global_step(self.model))
+      self._watch.batch_begin(self)
 
   def _ends_epoch(self, step: int) -> bool:
     """Whether `step` is the current epoch's last (when the epoch's number of steps is known)."""
@@ -393,12 +393,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     if prefix is not None and self.position.callbacks.restored is None:
       self.position.callbacks.restored = run_state.chief_callbacks(prefix)
 
-  def _continue_callbacks(self, step):
+  def _continue_callbacks(self):
     """At train begin, after every other callback's (which resets most): their restored state."""
     callbacks = run_state.run_callbacks(self)
     callback_state.train_begin(callbacks)
     self.position.callbacks.apply(callbacks)
-    self._watch.train_begin(step)
 
   def _continue_metrics(self):
     """At the first epoch begin after a restore from inside an epoch: that epoch's metrics so far."""

@@ -1,18 +1,14 @@
 """What BackupAndRestore checks and says of its backups: a backup_dir it cannot write, the interval "auto" chose, a data position that dominates."""
 
 import os
-import statistics
 import tempfile
-import time
 
 from absl import logging
 
 from tfdp import errors
 from tfdp import resume as resume_lib
 from tfdp.checkpoint import fs
-from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import manifest as manifest_lib
-from tfdp.checkpoint import policy
 
 
 def check_writable(path: str) -> None:
@@ -35,58 +31,35 @@ def check_writable(path: str) -> None:
 
 
 class Watch:
-  """What the chief says of the backups as training goes, once each: the interval "auto" chose, and their size."""
+  """What the chief says of the backups as training goes: the interval "auto" chose (tfdp.checkpoint.cadence measures it), and their size."""
 
   def __init__(self):
-    self.first_step = None  # The step this fit began at.
-    self.window = None  # When the local tier measures (tfdp.checkpoint.local's window).
-    self.interval = None
-    self.last = None  # (time, step) of the last batch begin.
-    self.step_seconds = []
+    self.tuning = None  # The local tier's measurement said last.
     self.size_checked = False
     self.sparser_warned = False
 
-  def train_begin(self, step: int) -> None:
-    if self.window is None:
-      self.first_step = step
-
-  def batch_begin(self, backup, step: int) -> None:
-    now = time.perf_counter()
-    if self.last is not None and step > self.last[1]:
-      self.step_seconds = (self.step_seconds + [(now - self.last[0]) / (step - self.last[1])])[-50:]
-    self.last = (now, step)
+  def batch_begin(self, backup) -> None:
     if not self.size_checked:
       self._check_size(backup)
-    if backup.local_checkpoint_every_steps == "auto" and step != self.first_step:
-      self._check_interval(backup, step)
+    tuning = backup.manager.local_tuning
+    if tuning is not None and tuning is not self.tuning:
+      self.tuning = tuning
+      self._say_interval(backup, tuning)
 
-  def _check_interval(self, backup, step: int) -> None:
-    """After each of the local tier's measurements: its interval, when new; one warning if sparser than save_freq."""
-    if self.window is None:  # The local tier's first save starts its window.
-      self.window = policy.Cadence(policy.EveryNSteps(local_lib.AGREE_EVERY_STEPS))
-      self.window.start(step)
-      return
-    interval = backup.manager.local_interval
-    if not self.window.due(step) or interval == self.interval:
-      return
-    self.interval = interval
-    costs = sorted(b + w for b, w in getattr(getattr(backup.manager, "_local", None), "costs", []))
-    cost = f"{1e3 * costs[len(costs) // 2]:.1f} ms" if costs else "unknown"
-    step_ms = 1e3 * statistics.median(self.step_seconds) if self.step_seconds else 0.0
-    print(f"tfdp: local saves every {interval} step(s) (local_checkpoint_every_steps='auto': "
-          f"a save costs {cost}, blocked plus its writer's CPU; a step {step_ms:.1f} ms; "
-          f"checkpoint_overhead {backup.checkpoint_overhead:g})", flush=True)
+  def _say_interval(self, backup, tuning) -> None:
+    """The local tier's new interval; one warning if it is sparser than save_freq."""
+    print(f"tfdp: {tuning.describe()}", flush=True)
     save_freq = backup.save_freq
-    if (isinstance(save_freq, int) and not isinstance(save_freq, bool) and interval > save_freq
-        and not self.sparser_warned):
+    if (isinstance(save_freq, int) and not isinstance(save_freq, bool)
+        and tuning.interval > save_freq and not self.sparser_warned):
       self.sparser_warned = True
       logging.warning(
           "tfdp: 'auto' saves the local tier every %d steps, less often than the backups "
           "(save_freq=%d): a local save costs %s against a budget of %g of %.1f ms steps, so "
           "a resume comes from the persistent tier. Make the state smaller (its data "
           "position above all), raise checkpoint_overhead, or pass "
-          "local_checkpoint_every_steps=N.", interval, save_freq, cost,
-          backup.checkpoint_overhead, step_ms)
+          "local_checkpoint_every_steps=N.", tuning.interval, save_freq, tuning.cost_text,
+          tuning.budget, 1e3 * tuning.step_seconds)
 
   def _check_size(self, backup) -> None:
     """Once a backup is committed: one warning if the per-worker state (the data position) dominates it."""

@@ -1,6 +1,7 @@
 """How often the local tier saves: every N steps, or "auto": as often as an overhead budget allows, measured and agreed."""
 
 import collections
+import dataclasses
 import time
 
 from absl import logging
@@ -10,6 +11,27 @@ from tfdp.checkpoint import policy
 
 # With "auto": how often (in steps) the workers measure and agree on the interval again.
 AGREE_EVERY_STEPS = 25
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """One of "auto"'s measurements: the interval the workers agreed on, and what it came from."""
+  step: int
+  interval: int
+  cost: float | None  # Seconds per save (blocked plus its writer's CPU; median), None: unmeasured.
+  step_seconds: float
+  budget: float  # The share of the training time saves may cost.
+
+  def describe(self) -> str:
+    """The line the chief says when the interval is first chosen or changes."""
+    return (f"local saves every {self.interval} step(s) (local_checkpoint_every_steps='auto': "
+            f"a save costs {self.cost_text}, blocked plus its writer's CPU; a step "
+            f"{1e3 * self.step_seconds:.1f} ms; the budget is {100 * self.budget:.0f}% of "
+            "the training time)")
+
+  @property
+  def cost_text(self) -> str:
+    return "unknown" if self.cost is None else f"{1e3 * self.cost:.1f} ms"
 
 
 class LocalCadence:
@@ -32,6 +54,8 @@ class LocalCadence:
     self.blocked_total = 0.0
     # The seconds the caller was blocked in the latest saves.
     self.blocked = collections.deque(maxlen=16)
+    # With "auto": the latest measurement that chose a new interval (or the first).
+    self.tuning: Tuning | None = None
 
   @property
   def interval(self) -> int | None:
@@ -72,9 +96,8 @@ class LocalCadence:
                 else self._auto.interval_for(cost, step_seconds))
     if self.me.count > 1:
       proposal = int(cluster.agree(proposal, "max", self.me.strategy))
-    if proposal != self._auto.interval:
+    if self.tuning is None or proposal != self._auto.interval:
       self._auto.interval = proposal
+      self.tuning = Tuning(step, proposal, cost, step_seconds, self._auto.budget)
       if self.me.is_chief:
-        logging.info("tfdp: local saves every %d step(s): a save costs %.1f ms (blocked plus "
-                     "its writer's CPU), a step %.1f ms, the budget is %.0f%%.", proposal,
-                     1e3 * (cost or 0.0), 1e3 * step_seconds, 100 * self._auto.budget)
+        logging.info("tfdp: %s.", self.tuning.describe())

@@ -14,6 +14,13 @@ from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint.planner import OBJECT_GRAPH_KEY
 
 
+def number(value) -> int:
+  """A step or checkpoint number given as an int, a tf.Variable or a tensor."""
+  if isinstance(value, (tf.Variable, tf.Tensor)):
+    value = value.numpy()
+  return int(value)
+
+
 def nbytes(t) -> int:
   """Bytes of tensor `t` as a checkpoint holds them (strings: their lengths plus 8 each)."""
   if t.dtype == tf.variant:

@@ -16,6 +16,7 @@ from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import lease as lease_lib
 from tfdp.checkpoint import local as local_lib
+from tfdp.checkpoint import local_face
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import planner
 from tfdp.checkpoint import policy
@@ -26,13 +27,10 @@ from tfdp.checkpoint import session as session_lib
 from tfdp.checkpoint import storage
 
 
-def _number(value):
-  if isinstance(value, (tf.Variable, tf.Tensor)):
-    value = value.numpy()
-  return int(value)
+_number = items_lib.number
 
 
-class CheckpointManager:
+class CheckpointManager(local_face.LocalFace):
   """A drop-in `tf.train.CheckpointManager` that saves sharded across workers.
 
   TF 2.21's arguments, methods and properties, with the same files on disk,
@@ -206,26 +204,6 @@ class CheckpointManager:
   num_workers = property(lambda self: self._me.count, doc="Number of workers.")
   is_chief = property(lambda self: self._me.is_chief, doc="Whether this worker is the chief.")
 
-  # The local tier (None, 0 and [] without one).
-  local_checkpoint_every_steps = property(
-      lambda self: self._local.every_steps if self._local else None,
-      doc="How often the training loop saves to the local tier (an int, 'auto' or None).")
-  local_interval = property(lambda self: self._local.interval if self._local else None,
-                            doc="The steps between local saves now (with 'auto': agreed).")
-
-  def local_due(self, step: int) -> bool:
-    """Whether the training loop saves locally after `step`; every worker asks at every step."""
-    return self._local is not None and self._local.due(step)
-  local_directory = property(lambda self: self._local.layout.directory if self._local else None,
-                             doc="This worker's local-tier directory.")
-  local_saves_skipped = property(
-      lambda self: self._local.skipped if self._local else 0,
-      doc="Local saves never written: a newer one came while they waited for the previous one.")
-
-  def local_checkpoints(self) -> list[str]:
-    """Prefixes of this worker's committed local checkpoints, oldest first."""
-    return self._local.committed() if self._local is not None else []
-
   def save(self, checkpoint_number=None, check_interval: bool = True, options=None,
            *, metrics: dict | None = None) -> str | None:
     """Saves a checkpoint; every worker must call it.
@@ -281,40 +259,6 @@ class CheckpointManager:
     if local:
       self.save_local(step)
     return prefix
-
-  def save_local(self, step: int | None = None) -> str:
-    """Saves a whole copy of the state to this worker's local tier, in the background.
-
-    It blocks only to take the state (a host snapshot, as an async save);
-    the copy is written in the background, its per-worker state sent to the
-    neighbour. A save while the previous one is still being written waits
-    for it, in place of any save waiting already (counted in
-    `local_saves_skipped`); a failed local save is logged, and training goes on.
-
-    Args:
-      step: the global step (default: `step_counter`'s value).
-
-    Returns:
-      The local prefix.
-
-    Raises:
-      ConfigError: the manager has no local tier, or no step is known.
-    """
-    if self._local is None:
-      raise errors.ConfigError(
-          "save_local() needs a local tier: pass local_checkpoint_dir= or "
-          "local_checkpoint_every_steps= to the CheckpointManager.")
-    if step is None:
-      if self._step_counter is None:
-        raise errors.ConfigError("save_local() needs step= or the manager's step_counter.")
-      step = self._step_counter
-    step = _number(step)
-    return self._local.save(step, self._local_items, lambda: self._local_meta(step))
-
-  def drop_local(self) -> None:
-    """Deletes this worker's local copies (e.g. once training completed and the persistent tier has the end)."""
-    if self._local is not None:
-      self._local.drop()
 
   def restore(self, save_path: str | None = None):
     """Verifies and restores checkpoint `save_path` (default: the latest).
