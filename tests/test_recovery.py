@@ -51,7 +51,8 @@ def test_a_host_replaced_five_times_recovers_from_the_local_tier_each_time(repla
         attempt, restored, kills)
   assert len(re.findall(r"recovered step \d+ from worker 0 over the side channel", out)) == 5
   assert re.search(r"\[worker 0\] tfdp: resumed from \S+/ckpt-\d+ \(the peer tier\) at step \d+ "
-                   r"\(epoch \d, step \d+ of it; data position restored\)", out), out[-3000:]
+                   r"\(epoch \d, step \d+ of it; data position restored"
+                   r"(, [\d.]+ [KMG]?B per worker)?\)", out), out[-3000:]
   ref = tier_runs.weights(two_worker_reference_runs["root"] + "/ref", 0)
   for worker in (0, 1):
     np.testing.assert_array_equal(ref, tier_runs.weights(job["root"], worker))
