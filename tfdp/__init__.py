@@ -27,6 +27,7 @@ _PUBLIC = {
     "TrainState": "tfdp.state",
     "callbacks": None,
     "cluster": None,
+    "configure_gradients": "tfdp.gradients",
     "data": None,
     "errors": None,
     "export": None,
@@ -45,7 +46,7 @@ __all__ = sorted(_PUBLIC)
 # only when asked), and tfdp.compat, which applies nothing by itself.
 _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
                    "tfdp._version", "tfdp.checkpoint.layout", "tfdp.environment",
-                   "tfdp.cli.ckpt", "tfdp.cli.train", "tfdp.strategy_kind")
+                   "tfdp.cli.ckpt", "tfdp.cli.train", "tfdp.strategy_kind", "tfdp.gradients")
 # Packages whose own (lazy) __init__ does not apply it; their other
 # submodules do.
 _WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint", "tfdp.cli")
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
   # pylint: disable=g-import-not-at-top,g-bad-import-order
   from tfdp import callbacks, cluster, data, errors, export, goodput, preemption, summaries
   from tfdp.checkpoint import CheckpointManager
+  from tfdp.gradients import configure_gradients
   from tfdp.state import TrainState
   from tfdp.strategy import make_strategy
   from tfdp.training import fit
