@@ -56,18 +56,29 @@ def test_the_interval_auto_chose_is_said_at_each_new_choice_and_a_sparser_one_wa
   assert "costs 6.0 ms" in warned[0]
 
 
-def test_a_data_position_that_dominates_the_backups_is_one_warning(tmp_path, caplog):
-  # 2,000 "decoded images" of 3 KB in a shuffle buffer, a model of 2 KB.
-  images = np.random.default_rng(0).normal(size=(2000, 16, 16, 3)).astype("float32")
-  data = tf.data.Dataset.from_tensor_slices((images, np.zeros(2000, "int32"))).shuffle(
-      2000, seed=1).batch(100)
+def _fit_shuffled_images(backup_dir, rows, side):
+  """A fit whose shuffle buffer holds `rows` "decoded images" of side x side x 3 (a 2 KB model)."""
+  images = np.random.default_rng(0).normal(size=(rows, side, side, 3)).astype("float32")
+  data = tf.data.Dataset.from_tensor_slices((images, np.zeros(rows, "int32"))).shuffle(
+      rows, seed=1).batch(rows // 20)
   keras.backend.clear_session()
-  model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.GlobalAveragePooling2D(),
+  model = keras.Sequential([keras.Input((side, side, 3)), keras.layers.GlobalAveragePooling2D(),
                             keras.layers.Dense(2)])
   model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   model.fit(data, epochs=1, steps_per_epoch=6, verbose=0, callbacks=[
-      callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)])
+      callbacks.BackupAndRestore(str(backup_dir), save_freq=2)])
+
+
+def test_a_data_position_that_dominates_the_backups_is_one_warning(tmp_path, caplog):
+  # 2,000 "decoded images" of 3 KB in a shuffle buffer (4 MB left at the first backup).
+  _fit_shuffled_images(tmp_path / "backup", 2000, 16)
   warned = [r.getMessage() for r in caplog.records if "the data position is" in r.getMessage()]
   assert len(warned) == 1, warned
   assert "shuffle file names or indices before decoding" in warned[0], warned[0]
   assert "docs/data.md#state-size" in warned[0]
+
+
+def test_a_small_data_position_is_no_warning_however_much_of_the_backup(tmp_path, caplog):
+  # 200 images of 48 B: about 7 KB of a 9 KB backup, too little to cost a save anything.
+  _fit_shuffled_images(tmp_path / "backup", 200, 2)
+  assert not [r for r in caplog.records if "the data position is" in r.getMessage()]

@@ -155,6 +155,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.position = None
     self.manager = None
     self.resumed = resume_lib.Resume()
+    self._metrics_continued = False
     self._spanning = None  # Inside tfdp.fit: its steps_per_epoch.
     self._first_epoch_done = 0  # Steps of this fit's first epoch done before it.
     self._preempted = False
@@ -229,6 +230,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       prefix = self.manager.restore_newest_intact(before_restore=check)
     seconds = time.perf_counter() - start
     self.resumed = self.position.read(prefix, self.state.step, self.manager.restored_tier)
+    self._metrics_continued = False
     self._read_run_state(prefix)
     self._goodput.restored(self.restored_step, seconds, self.manager.restored_tier)
     if self.resumed.restored:
@@ -401,6 +403,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def _continue_metrics(self):
     """At the first epoch begin after a restore from inside an epoch: that epoch's metrics so far."""
-    if self.resumed.mid_epoch:
+    if self.resumed.mid_epoch and not self._metrics_continued:
       self.position.metrics.apply()
+    self._metrics_continued = True  # later epochs start from zero, as in the uninterrupted run
     self.position.metrics.restored = None

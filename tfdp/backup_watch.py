@@ -10,6 +10,10 @@ from tfdp import resume as resume_lib
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import manifest as manifest_lib
 
+# A data position smaller than this per worker costs a save too little to
+# warn about, however much of the (small) backup it is.
+DOMINANT_MIN_BYTES = 1 << 20
+
 
 def check_writable(path: str) -> None:
   """Raises ConfigError when this process cannot create and write directory `path` (a scratch folder tells)."""
@@ -62,7 +66,7 @@ class Watch:
           tuning.budget, 1e3 * tuning.step_seconds)
 
   def _check_size(self, backup) -> None:
-    """Once a backup is committed: one warning if the per-worker state (the data position) dominates it."""
+    """Once a backup is committed: one warning if the per-worker state (the data position) dominates it and is 1 MB or more."""
     prefix = backup.manager.latest_checkpoint
     if not prefix:
       return
@@ -71,7 +75,8 @@ class Watch:
     if man is None:
       return
     per_worker = [int(w.get("per_worker_bytes", 0)) for w in man.writers.values()]
-    if not man.total_bytes or sum(per_worker) <= 0.5 * man.total_bytes:
+    if (not man.total_bytes or sum(per_worker) <= 0.5 * man.total_bytes
+        or max(per_worker) < DOMINANT_MIN_BYTES):
       return
     logging.warning(
         "tfdp: the data position is %s of each backup's %s (%s per worker, %s of "

@@ -21,11 +21,13 @@ class Tuning:
   cost: float | None  # Seconds per save (blocked plus its writer's CPU; median), None: unmeasured.
   step_seconds: float
   budget: float  # The share of the training time saves may cost.
+  worker: int | None = None  # Whose measurement chose it (of several workers).
 
   def describe(self) -> str:
     """The line the chief says when the interval is first chosen or changes."""
+    on = "" if self.worker is None else f" on worker {self.worker}"
     return (f"local saves every {self.interval} step(s) (local_checkpoint_every_steps='auto': "
-            f"a save costs {self.cost_text}, blocked plus its writer's CPU; a step "
+            f"a save costs {self.cost_text}{on}, blocked plus its writer's CPU; a step "
             f"{1e3 * self.step_seconds:.1f} ms; the budget is {100 * self.budget:.0f}% of "
             "the training time)")
 
@@ -94,10 +96,17 @@ class LocalCadence:
     step_seconds = max(0.0, now - t0 - (self.blocked_total - blocked0)) / max(1, step - s0)
     proposal = (self._auto.interval if cost is None
                 else self._auto.interval_for(cost, step_seconds))
+    worker = None
     if self.me.count > 1:
-      proposal = int(cluster.agree(proposal, "max", self.me.strategy))
+      # The largest proposal wins; its worker's figures are the ones said,
+      # so the line's numbers give its interval on every worker.
+      rows = cluster.gather([proposal, -1.0 if cost is None else cost, step_seconds],
+                            self.me.strategy)
+      worker = max(range(len(rows)), key=lambda w: (rows[w][0], -w))
+      proposal, cost, step_seconds = int(rows[worker][0]), rows[worker][1], rows[worker][2]
+      cost = None if cost < 0 else float(cost)
     if self.tuning is None or proposal != self._auto.interval:
       self._auto.interval = proposal
-      self.tuning = Tuning(step, proposal, cost, step_seconds, self._auto.budget)
+      self.tuning = Tuning(step, proposal, cost, float(step_seconds), self._auto.budget, worker)
       if self.me.is_chief:
         logging.info("tfdp: %s.", self.tuning.describe())
