@@ -1,6 +1,6 @@
 """Training benchmark: tfdp vs plain Keras fit, RING all-reduce vs raw TCP, 1 vs 2 workers."""
 
-# Three parts, each in fresh processes (TF's devices and threads are fixed at
+# Four parts, each in fresh processes (TF's devices and threads are fixed at
 # start), each measuring ratios inside one run so that a busy machine slows
 # the compared variants alike:
 #
@@ -21,6 +21,10 @@
 #   sizes) for each bytes_per_pack, interleaved; against raw loopback TCP
 #   bandwidth (Python sockets, one direction and both directions at once)
 #   measured by this process just before and after.
+# * overlap: the gradient path's buckets and compression against the user's
+#   own MultiWorkerMirroredStrategy, 2 workers each pinned to a core; the
+#   all-reduce alone (T_comm) and one worker alone (T_comp) in the same run
+#   (scripts/bench_overlap.py says how).
 # * scaling: 1 vs 2 workers (tfdp.fit under MultiWorkerMirroredStrategy), each
 #   pinned to its own core with one intra-op thread, the same per-worker batch (weak scaling);
 #   efficiency = rate(2) / (2 * rate(1)); "predicted" is the alpha-beta check:
@@ -47,13 +51,14 @@ from absl import logging
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
+import bench_overlap  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Fewer rounds, windows and sizes (CI, < 2 min on 2 cores).")
 flags.DEFINE_bool("smoke", False, "Tiny everything: only checks that each part runs (tests).")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_list("parts", ["throughput", "allreduce", "scaling"],
-                  "Parts to run: throughput, allreduce, scaling.")
+                  "Parts to run: throughput, allreduce, scaling, overlap.")
 flags.DEFINE_list("variants", ["plain", "tfdp", "plain_ckpt", "tfdp_ckpt"],
                   "Throughput variants (see the module docstring).")
 flags.DEFINE_string("model", "mlp", "mlp (bench-local, 4.2M params), or a models "
@@ -77,6 +82,13 @@ flags.DEFINE_integer("scaling_batch", 32, "Per-worker batch of the scaling part.
 flags.DEFINE_list("scaling_models", ["mlp", "resnet20"],
                   "Models of the scaling part: mlp is communication-bound "
                   "(17 MB of gradients), resnet20 compute-bound (1.1 MB).")
+flags.DEFINE_list("overlap_models", ["mlp", "resnet20"], "Models of the overlap part.")
+flags.DEFINE_enum("overlap_strategy", "own", ["own", "tfdp", "mirrored"],
+                  "(internal) overlap job: the user's own MWMS, tfdp.make_strategy() or the user's own MirroredStrategy.")
+flags.DEFINE_bool("overlap_mirrored_only", False,
+                  "The overlap part's single-process MirroredStrategy jobs only.")
+flags.DEFINE_enum("overlap_variants", "all", ["all", "one"],
+                  "(internal) overlap job: every variant, or one_pack only.")
 flags.DEFINE_float("max_load", 1.5, "Wait (up to --wait_quiet_s) for the 1-min load to drop below this.")
 flags.DEFINE_float("wait_quiet_s", 0.0, "Longest wait for a quiet machine before each part.")
 # Internal: one benchmark process.
@@ -439,13 +451,13 @@ def _internal_args():
   return args
 
 
-def _run_job(base, role, num_workers=None, timeout=1800, extra_args=()):
+def _run_job(base, role, num_workers=None, timeout=1800, extra_args=(), env=None):
   """Runs this script as `role` (through tfdp-launch when num_workers); returns worker 0's JSON."""
   from tfdp import launch  # pylint: disable=g-import-not-at-top
   result = os.path.join(base, f"{role}-{num_workers or 0}-{time.monotonic_ns()}.json")
   cmd = [sys.executable, os.path.abspath(__file__), f"--role={role}",
          f"--result={result}"] + _internal_args() + list(extra_args)
-  env = bench_common.worker_env()
+  env = bench_common.worker_env(env)
   log_path = result[:-5] + ".log"
   with open(log_path, "w") as log:
     if num_workers is None:
@@ -672,6 +684,18 @@ def _print(out):
     if s.get("core_ceiling_efficiency") is not None:
       print(f"  ceiling of this machine: 2 processes of a compute-bound TF conv2d "
             f"on cores 0 and 1 reach {s['core_ceiling_efficiency']:.2f} of 2x one alone")
+  if "overlap" in out:
+    o = out["overlap"]
+    print(f"\nOverlap: 2 workers on localhost, {FLAGS.scaling_batch} examples per worker per "
+          "step, each pinned to its own core; speedup over the user's own MWMS (upstream)")
+    print(bench_common.table(o["rows"], [
+        ("model", "model", None), ("grad_MB", "grad MB", "{:.1f}"), ("variant", "variant", None),
+        ("step_ms", "step ms", "{:.1f}"), ("speedup", "speedup", "{:.2f}"),
+        ("efficiency", "efficiency", "{:.2f}"), ("t_comp_ms", "T_comp ms", "{:.1f}"),
+        ("t_comm_ms", "T_comm ms", "{:.1f}"), ("hidden", "hidden", "{:.2f}")]))
+    if o.get("core_ceiling_efficiency") is not None:
+      print(f"  ceiling of this machine: {o['core_ceiling_efficiency']:.2f} (2 pinned processes "
+            "of a compute-bound TF conv2d against one alone)")
   print(f"\nload average: start {out['machine']['load_avg_start']}, end {out['load_avg_end']}")
 
 
@@ -680,6 +704,9 @@ def main(argv):
   settings = _settings()
   if FLAGS.role:
     logging.set_verbosity(logging.WARNING)
+    if FLAGS.role == "overlap":
+      bench_overlap.worker(settings, FLAGS, _build_model, _compile, _arrays, bench_common)
+      return
     {"throughput": _throughput_worker, "allreduce": _allreduce_worker,
      "scaling": _scaling_worker}[FLAGS.role](settings)
     return
@@ -687,7 +714,12 @@ def main(argv):
   out = {"machine": bench_common.machine(), "quick": FLAGS.quick, "smoke": FLAGS.smoke,
          "command": " ".join(sys.argv), "load": {}}
   base = tempfile.mkdtemp(prefix="tfdp_bench_train_")
-  parts = {"throughput": _throughput, "allreduce": _allreduce, "scaling": _scaling}
+  parts = {"throughput": _throughput, "allreduce": _allreduce, "scaling": _scaling,
+           "overlap": lambda base, settings: bench_overlap.run(
+               base, settings, _run_job,
+               FLAGS.overlap_models[:1] if FLAGS.smoke else FLAGS.overlap_models,
+               bench_common.median, lambda: _core_ceiling(20 if FLAGS.smoke else 300),
+               mirrored_only=FLAGS.overlap_mirrored_only)}
   try:
     for part in FLAGS.parts:
       if part not in parts:

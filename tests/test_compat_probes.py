@@ -9,6 +9,7 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.callbacks import csv_logger
 from keras.src.callbacks import tensorboard
 from keras.src.layers import layer as keras_layer
+from keras.src.optimizers import loss_scale_optimizer
 from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator as epoch_iterator_lib
 from keras.src.trainers import trainer as base_trainer
@@ -27,6 +28,17 @@ _EpochIterator = epoch_iterator_lib.EpochIterator
 # What a later Keras or TF could look like. Each function is the upstream one
 # with one assumption of a fix broken; none of them runs.
 # pylint: disable=protected-access,unused-argument
+
+
+def _tf_apply_finite_after_the_reduce(self, grads, trainable_variables=None):
+  # A later Keras that all-reduces before its finiteness check itself.
+  self._common_apply(grads, trainable_variables=trainable_variables)
+
+
+def _all_reduce_in_apply(self, grads, trainable_variables, learning_rate):
+  # A later Keras whose update step no longer all-reduces (it does so earlier).
+  self._distributed_tf_update_step(self._distribution_strategy, list(zip(grads, trainable_variables)),
+                                   learning_rate)
 
 
 def _get_iterator_of_another_dataset(self):
@@ -287,6 +299,16 @@ CHANGES = {
     "tensorboard_dirs_elsewhere": (tensorboard.TensorBoard, "set_model",
                                    _tensorboard_set_model_elsewhere, {"chief_only_files"},
                                    "no longer contains `self._log_write_dir = self.log_dir`"),
+    # gradient_path: where upstream decides finiteness and all-reduces.
+    "loss_scale_decides_after_the_reduce": (
+        loss_scale_optimizer.LossScaleOptimizer, "_tf_apply", _tf_apply_finite_after_the_reduce,
+        {"gradient_path"}, "LossScaleOptimizer._tf_apply no longer contains "
+        "`distribution.experimental_local_results(`"),
+    "update_step_without_all_reduce": (
+        keras.src.backend.tensorflow.optimizer.TFOptimizer, "_backend_update_step",
+        _all_reduce_in_apply, {"gradient_path"},
+        "TFOptimizer._backend_update_step no longer contains "
+        "`self._all_reduce_sum_gradients(grads_and_vars)`"),
     # steps_per_execution_inline: the cause it works around, and where it
     # reads which collectives a strategy's step launches.
     "instance_key_fed_through_control_flow": (

@@ -236,6 +236,8 @@ def test_exit_codes_match_the_workers_modules():
   from tfdp import preemption  # pylint: disable=g-import-not-at-top
   assert launch.EXIT_PREEMPTED == preemption.EXIT_PREEMPTED
   assert launch.EXIT_PEER_LOST == heartbeat.EXIT_PEER_LOST
+  from tfdp import stall  # pylint: disable=g-import-not-at-top
+  assert launch.EXIT_COLLECTIVE_TIMEOUT == stall.EXIT_COLLECTIVE_TIMEOUT
   assert launch.ENV_HEARTBEAT_FILE == heartbeat.ENV_HEARTBEAT_FILE
 
 

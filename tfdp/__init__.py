@@ -11,7 +11,10 @@ one-shot import hook before any part of tfdp that may use Keras is used:
   itself applies them as soon as it has run, before the import statement
   returns;
 - `import tfdp` in a program that has imported Keras already applies them at
-  once (loading them then costs nothing).
+  once (loading them then costs nothing);
+- `import tfdp` first, then `import keras` (or `import tensorflow` and a first
+  use of `tf.keras`): the hook applies them as soon as Keras has loaded, so a
+  script that uses no tfdp name but `import tfdp` gets them too.
 """
 
 import importlib
@@ -62,13 +65,15 @@ if TYPE_CHECKING:
 
 
 def _needs_compat(name):
+  if name == "keras":  # imported after tfdp: every Keras program gets the fixes
+    return True
   if not name.startswith("tfdp.") or name in _WITHOUT_COMPAT_EXACT:
     return False
   return not any(name == m or name.startswith(m + ".") for m in _WITHOUT_COMPAT)
 
 
 class _CompatHook:
-  """Import hook: applies tfdp.compat as the first tfdp module that may use Keras finishes loading.
+  """Import hook: applies tfdp.compat as Keras, or the first tfdp module that may use it, finishes loading.
 
   It finds the module with the finders after it, and wraps the loader so
   that the fixes are applied right after the module ran, and before the

@@ -15,12 +15,14 @@ reduced gradients, as one device does. These settings say how:
   all-reduce and back after; None (the default) sends it as it is. With fp16
   and loss scaling, an overflow in the all-reduce is a non-finite step that
   every replica skips.
-- `timeout_seconds`: a worker that waits longer than this in one of the
-  gradient path's collectives fails with one line naming the collective and
-  the step (tfdp-launch then restarts the group); None waits forever.
+- `timeout_seconds`: under a multi-worker strategy, a call of the model's
+  train, test or predict function that runs longer than this (twice this for
+  the first, which traces) has its collectives aborted, and the worker fails
+  with one line naming the collective and the step (tfdp.stall; tfdp-launch
+  then restarts the group); None waits forever.
 
-The settings are read when the train step is traced, so set them before
-`fit` (or the first custom step) runs: `tfdp.configure_gradients(...)`,
+The bucket and compression settings are read when the train step is
+traced, so set them before `fit` (or the first custom step) runs: `tfdp.configure_gradients(...)`,
 `tfdp.make_strategy(gradient_compression=...)` or tfdp-train's flags
 `--gradient_compression`, `--bucket_cap_mb` and `--collective_timeout`.
 """

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import sys
 import threading
 import time
 from typing import Any, Iterable
@@ -15,6 +14,7 @@ import keras
 
 from tfdp import cluster
 from tfdp import environment
+from tfdp import stall
 
 # The file a worker's heartbeats go to; tfdp-launch sets it for every worker.
 ENV_HEARTBEAT_FILE = "TFDP_HEARTBEAT_FILE"
@@ -281,9 +281,4 @@ def exit_peer_lost(error: Any, context: str | None = None) -> None:
   agent would otherwise wait for the lost peer's shutdown barrier; the
   group cannot save any more anyway (saves are collective).
   """
-  line = describe_peer_loss(error, context)
-  logging.error("tfdp: %s; exiting with code %d.", line, EXIT_PEER_LOST)
-  logging.flush()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(EXIT_PEER_LOST)  # pylint: disable=protected-access
+  stall.exit_process(f"tfdp: {describe_peer_loss(error, context)}", EXIT_PEER_LOST)

@@ -25,8 +25,8 @@ def global_step(model: keras.Model) -> int:
   return int(model.optimizer.iterations.numpy())
 
 
-def _tree(variables, strip_first=False):
-  """A trackable tree mirroring the variables' Keras paths.
+def _tree(keyed):
+  """A trackable tree of `(key, variable)` pairs, each key a '/'-separated Keras path.
 
   Keras 3 layers do not track every variable for `tf.train.Checkpoint` (the
   state of `SeedGenerator`s, such as dropout's, is left out), and the keys of
@@ -36,11 +36,8 @@ def _tree(variables, strip_first=False):
   """
   root = tf.Module()
   seen = set()
-  for v in variables:
-    parts = v.path.split("/")
-    if strip_first and len(parts) > 1:
-      parts = parts[1:]
-    key = "/".join(parts)
+  for key, v in keyed:
+    parts = key.split("/")
     if key in seen:
       raise errors.ConfigError(
           f"Two variables share the path {key!r}; give the layers distinct names.")
@@ -54,6 +51,25 @@ def _tree(variables, strip_first=False):
       node = child
     setattr(node, parts[-1], _tf_variable(v))
   return root
+
+
+def _optimizer_keys(optimizer):
+  """The optimizer's variables keyed by their paths without the optimizer's name.
+
+  So the keys do not depend on the name Keras gave the optimizer ("adam",
+  "adam_1"). A LossScaleOptimizer's inner optimizer's variables get the keys
+  they have without it (its `iteration` is the global step,
+  ITERATIONS_KEY), and the wrapper's own variables (the loss scale, its step
+  counter) keep their full path, e.g. `loss_scale_optimizer/dynamic_scale`.
+  """
+  inner = getattr(optimizer, "inner_optimizer", None)
+  inner_ids = {id(v) for v in inner.variables} if inner is not None else set()
+  keyed = []
+  for v in optimizer.variables:
+    parts = v.path.split("/")
+    strip = len(parts) > 1 and (inner is None or id(v) in inner_ids)
+    keyed.append(("/".join(parts[1:] if strip else parts), v))
+  return keyed
 
 
 def _tf_variable(v):
@@ -110,8 +126,8 @@ class TrainState:
       self.optimizer.build(model.trainable_variables)
     self.run_config = dict(run_config or {}, state_version=STATE_VERSION)
     self.checkpoint = tf.train.Checkpoint(
-        model=_tree(model.variables),
-        optimizer=_tree(self.optimizer.variables, strip_first=True),
+        model=_tree((v.path, v) for v in model.variables),
+        optimizer=_tree(_optimizer_keys(self.optimizer)),
         run_config=_JsonState(self.run_config),
         keras_model=_JsonState(model_config(model)))
 

@@ -12,6 +12,7 @@ from tensorflow.python.distribute import distribute_lib
 
 from tfdp import environment
 from tfdp import errors
+from tfdp import gradients
 # The kinds and choose_kind are TensorFlow-free (tfdp-train checks its flags before TF starts).
 from tfdp.strategy_kind import ALL_REDUCE, KINDS, choose_kind  # pylint: disable=unused-import
 
@@ -189,7 +190,6 @@ class _Request:
   num_gpus: int
   cpu_replicas: int | None
   all_reduce: str
-  timeout_seconds: float | None
   bytes_per_pack: int
   peer_timeout_seconds: float | None
   resolver: Any
@@ -211,8 +211,7 @@ def _check_tf_not_started() -> None:
 
 def _build_multi_worker(r: _Request) -> tf.distribute.Strategy:
   options = communication_options(
-      r.all_reduce, timeout_seconds=r.timeout_seconds,
-      bytes_per_pack=r.bytes_per_pack)
+      r.all_reduce, bytes_per_pack=r.bytes_per_pack)
   if r.peer_timeout_seconds is not None and r.peer_timeout_seconds <= 0:
     raise errors.ConfigError(
         f"peer_timeout_seconds must be positive, got {r.peer_timeout_seconds!r}.")
@@ -230,7 +229,7 @@ def _build_mirrored(r: _Request) -> tf.distribute.Strategy:
              [d.name for d in tf.config.list_logical_devices("CPU")])
   options = communication_options(
       "ring" if r.all_reduce == "ring" else "auto",
-      timeout_seconds=r.timeout_seconds, bytes_per_pack=r.bytes_per_pack)
+      bytes_per_pack=r.bytes_per_pack)
   return tf.distribute.MirroredStrategy(
       devices=devices,
       cross_device_ops=_mirrored_cross_device_ops(r.all_reduce, devices, options))
@@ -255,7 +254,8 @@ _BUILDERS = {
 def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
                   all_reduce: str = "auto", timeout_seconds: float | None = None,
                   bytes_per_pack: int | None = None, cluster: str = "auto",
-                  peer_timeout_seconds: float | None = DEFAULT_PEER_TIMEOUT_SECONDS
+                  peer_timeout_seconds: float | None = DEFAULT_PEER_TIMEOUT_SECONDS,
+                  gradient_compression: str | None = None
                   ) -> tf.distribute.Strategy:
   """Creates the `tf.distribute.Strategy` for this process.
 
@@ -271,7 +271,10 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
       GPUs are used.
     all_reduce: `auto`, `nccl`, `hierarchical_copy`, `reduce_to_one` or
       `ring`.
-    timeout_seconds: collective timeout (multi_worker and ring), None = none.
+    timeout_seconds: how long one step may wait in its collectives before
+      the worker fails with a line naming them (multi-worker; see
+      tfdp.stall); it sets `tfdp.configure_gradients(timeout_seconds=...)`
+      (600 s unless set). None keeps that setting.
     bytes_per_pack: split gradients into packs of this size for collective
       all-reduce; 0: one pack; None: 4 MB for ring (gRPC) collectives, one
       pack for NCCL (`default_bytes_per_pack`).
@@ -280,6 +283,10 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
     peer_timeout_seconds: multi_worker: a peer that sends no heartbeat to
       the coordination service for this long is lost, and the collectives
       of every other worker fail with an error naming it.
+    gradient_compression: "bf16" or "fp16" all-reduces the gradients in that
+      dtype, "none" in their own; None keeps the gradient path's setting
+      (`tfdp.configure_gradients`; off unless set). Any strategy's `fit` takes
+      it: see tfdp.gradients.
 
   Returns:
     A `tf.distribute.Strategy`.
@@ -288,6 +295,10 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
     ConfigError: unknown kind, cluster or all-reduce, NCCL without GPUs, bad
       TF_CONFIG or SLURM step, cpu_replicas too late or invalid.
   """
+  given = {k: v for k, v in (("compression", gradient_compression),
+                             ("timeout_seconds", timeout_seconds)) if v is not None}
+  if given:
+    gradients.configure_gradients(**given)
   num_gpus = len(_gpus())
   resolver, config = environment.resolve_cluster(cluster)
   workers = None if config is None else environment.num_cluster_workers(config)
@@ -303,7 +314,7 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
                     num_gpus)
   strategy = _BUILDERS[kind](_Request(
       num_gpus=num_gpus, cpu_replicas=cpu_replicas, all_reduce=all_reduce,
-      timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack,
+      bytes_per_pack=bytes_per_pack,
       peer_timeout_seconds=peer_timeout_seconds, resolver=resolver,
       config=config))
   logging.info("tfdp strategy: %s, %d replica(s) in sync, all_reduce=%s",

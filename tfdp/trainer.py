@@ -17,6 +17,7 @@ from tfdp import errors
 from tfdp import state as state_lib
 from tfdp import export
 from tfdp import heartbeat
+from tfdp import gradients as gradients_lib
 from tfdp import optim
 from tfdp import preemption
 from tfdp import resume as resume_lib
@@ -38,6 +39,8 @@ class TrainConfig:
   all_reduce: str = "auto"
   collective_timeout: float | None = None
   bytes_per_pack: int | None = None
+  gradient_compression: str | None = None
+  bucket_cap_mb: float = gradients_lib.DEFAULT_BUCKET_CAP_MB
   global_batch_size: int = 32
   train_steps: int = 100
   steps_per_epoch: int | None = None
@@ -231,10 +234,12 @@ def run(config):
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
   keras.utils.set_random_seed(config.seed)
+  gradients_lib.configure_gradients(bucket_cap_mb=config.bucket_cap_mb)
   strategy = strategy_lib.make_strategy(
       config.strategy, cpu_replicas=config.cpu_replicas,
       all_reduce=config.all_reduce, timeout_seconds=config.collective_timeout,
-      bytes_per_pack=config.bytes_per_pack)
+      bytes_per_pack=config.bytes_per_pack,
+      gradient_compression=config.gradient_compression or "none")
   worker = cluster.resolve(strategy)
   chief, num_workers = worker.is_chief, worker.count
   if not chief:

@@ -10,12 +10,17 @@ TF_CONFIG: the user's own `tf.distribute.MultiWorkerMirroredStrategy()`, or
 with CPU_REPLICAS 2 `tfdp.make_strategy(cpu_replicas=2)`). Inputs: `repeat`
 (a repeated dataset with steps_per_epoch), `finite` (a dataset), `arrays`.
 Options: `val` (validation_data, validation_freq=2), `cw` (class_weight),
-`bf16` (the mixed_bfloat16 policy), `rand` (RandomFlip, RandomTranslation
-and Dropout in the model), `twin` (no strategy and no backup: the
-single-device run of the cell's configuration).
+`bf16` (the mixed_bfloat16 policy, logits in bfloat16 too, so that `predict`
+gathers bfloat16 outputs), `f16` (the mixed_float16 policy: Keras wraps the
+optimizer in a LossScaleOptimizer; logits in float32), `clip` (the optimizer
+clips the global norm of the gradients at 0.1), `gc16`
+(tfdp.configure_gradients(compression="bf16") for the cell: bfloat16
+gradient all-reduces), `rand` (RandomFlip, RandomTranslation and Dropout in
+the model), `twin` (no strategy and no backup: the single-device run of the
+cell's configuration).
 
 Every cell is the same ordinary Keras script (a small conv net, AdamW with a
-cosine schedule, op determinism on) with tfdp.callbacks.BackupAndRestore
+cosine schedule and weight decay, op determinism on) with tfdp.callbacks.BackupAndRestore
 (save_freq=5) in place of Keras's, in OUT_ROOT/NAME/backup: fit (3 epochs of
 10 steps; 12 with `repeat` and steps_per_execution 3, as Keras runs whole
 executions), evaluate, predict; it writes OUT_ROOT/NAME/result-<worker>.npz.
@@ -78,9 +83,13 @@ def dataset(x, y, repeat=False):
   return (ds.repeat() if repeat else ds).prefetch(2)
 
 
+POLICIES = {"bf16": "mixed_bfloat16", "f16": "mixed_float16"}
+
+
 def build_model(cell):
-  """The user's model: mixed_bfloat16 is a global policy, set while the model is built."""
-  keras.mixed_precision.set_global_policy("mixed_bfloat16" if "bf16" in cell.options else "float32")
+  """The user's model: a mixed precision policy is global, set while the model is built."""
+  policy = next((POLICIES[o] for o in sorted(cell.options) if o in POLICIES), "float32")
+  keras.mixed_precision.set_global_policy(policy)
   try:
     inputs = keras.Input((8, 8, 1))
     h = inputs
@@ -92,8 +101,9 @@ def build_model(cell):
     h = keras.layers.Dense(16, activation="relu")(h)
     if "rand" in cell.options:
       h = keras.layers.Dropout(0.2, seed=13)(h)
-    # Logits in float32, as Keras's mixed precision guide says.
-    outputs = keras.layers.Dense(3, dtype="float32")(h)
+    # Logits in float32, as Keras's mixed precision guide says; in bfloat16
+    # for `bf16`, as a user who skipped that advice has them.
+    outputs = keras.layers.Dense(3, dtype=None if "bf16" in cell.options else "float32")(h)
     return keras.Model(inputs, outputs)
   finally:
     keras.mixed_precision.set_global_policy("float32")
@@ -169,7 +179,8 @@ class Run:
       model = build_model(cell)
       schedule = keras.optimizers.schedules.CosineDecay(0.01, EPOCHS * STEPS_PER_EPOCH)
       initial = _flat(model.weights)
-      model.compile(optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01),
+      clip = {"global_clipnorm": 0.1} if "clip" in cell.options else {}
+      model.compile(optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01, **clip),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"], steps_per_execution=cell.spe)
     kwargs, callbacks, backup = {}, [], None
@@ -185,6 +196,7 @@ class Run:
           (xv, yv) if cell.input == "arrays" else dataset(xv, yv)))
     if "cw" in cell.options:
       kwargs["class_weight"] = CLASS_WEIGHT
+    tfdp.configure_gradients(compression="bf16" if "gc16" in cell.options else None)
     if cell.input == "arrays":
       history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, callbacks=callbacks,
                           verbose=0, **kwargs)
@@ -202,8 +214,9 @@ class Run:
         "initial": initial,
         "weights": _flat(model.weights),
         "optimizer": _flat(model.optimizer.variables),
-        "predicted": predicted,
-        "direct": np.asarray(model(xe, training=False)),
+        "predicted": np.asarray(predicted, dtype="float32"),
+        "predicted_dtype": np.array(str(predicted.dtype)),
+        "direct": np.asarray(model(xe, training=False), dtype="float32"),
         "steps": int(model.optimizer.iterations.numpy()),
         "restored": -1 if backup is None or backup.restored_step is None else backup.restored_step,
         "history_keys": np.array(sorted(history.history)),

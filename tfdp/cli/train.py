@@ -34,7 +34,14 @@ flags.DEFINE_integer("cpu_replicas", None,
 flags.DEFINE_enum("all_reduce", "auto", list(strategy_kind.ALL_REDUCE),
                   "Gradient all-reduce implementation.")
 flags.DEFINE_float("collective_timeout", None,
-                   "Seconds before a collective op gives up (multi-worker).")
+                   "Seconds a collective may wait before the worker fails with a line naming "
+                   "it and the step (multi-worker; default: 600).", lower_bound=0.001)
+flags.DEFINE_enum("gradient_compression", "none", ["none", "bf16", "fp16"],
+                  "All-reduce float32 gradients as this dtype (cast back after).")
+flags.DEFINE_float("bucket_cap_mb", 25.0,
+                   "Gradients are all-reduced in buckets of this many MB, last layers first, "
+                   "so communication overlaps the backward pass (0: one all-reduce).",
+                   lower_bound=0.0)
 flags.DEFINE_integer("bytes_per_pack", None,
                      "Pack gradients into all-reduces of this many bytes (0: "
                      "one pack; default: 4 MB for ring collectives, one pack "
@@ -219,6 +226,8 @@ def main(argv):
   except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
           tf.errors.AbortedError, tf.errors.CancelledError) as e:
     from tfdp import heartbeat  # pylint: disable=g-import-not-at-top
+    from tfdp import stall  # pylint: disable=g-import-not-at-top
+    stall.exit_if_stalled(e, None)  # Exits at once with a line naming the collective.
     if not heartbeat.is_peer_loss(e):
       raise
     heartbeat.exit_peer_lost(e)  # Exits at once with a line naming the peer.

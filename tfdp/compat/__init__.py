@@ -6,8 +6,12 @@ expects, on any Keras/TensorFlow version: a fix whose probe fails is not
 installed, a warning says what changed, and `skipped()` keeps the reason.
 The fixes: tfdp/compat/strategy_fixes.py (symbolic_build_batch,
 reduce_mean_axis, steps_per_execution_inline,
-non_trainable_mean_aggregation) and tfdp/compat/fit_fixes.py
-(fit_data_state, chief_only_verbose).
+non_trainable_mean_aggregation), tfdp/compat/fit_fixes.py
+(fit_data_state, chief_only_verbose), tfdp/compat/file_fixes.py
+(chief_only_files), tfdp/compat/gradient_path.py (gradient_path:
+all-reduce first, in buckets, then clip and check for overflow) and
+tfdp/compat/deadline.py (collective_deadline: a stuck multi-worker step is
+one line and exit 70).
 """
 
 import os
@@ -22,6 +26,8 @@ import tensorflow as tf
 from tfdp.compat import strategy_fixes  # pylint: disable=unused-import
 from tfdp.compat import fit_fixes  # pylint: disable=unused-import
 from tfdp.compat import file_fixes  # pylint: disable=unused-import
+from tfdp.compat import gradient_path  # pylint: disable=unused-import
+from tfdp.compat import deadline  # pylint: disable=unused-import
 from tfdp.compat.registry import Fix
 from tfdp.compat.registry import REGISTRY as _REGISTRY
 

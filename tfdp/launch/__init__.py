@@ -23,6 +23,7 @@ from tfdp.launch.procs import DEFAULT_GRACE_SECONDS
 from tfdp.launch.procs import DEFAULT_STARTUP_TIMEOUT
 from tfdp.launch.procs import ENV_HEARTBEAT_FILE
 from tfdp.launch.procs import ENV_RESTART_COUNT
+from tfdp.launch.procs import EXIT_COLLECTIVE_TIMEOUT
 from tfdp.launch.procs import EXIT_PEER_LOST
 from tfdp.launch.procs import EXIT_PREEMPTED
 from tfdp.launch.procs import FAILED_GROUP_GRACE_SECONDS
@@ -33,7 +34,7 @@ from tfdp.launch.slots import Slots
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS", "DEFAULT_STARTUP_TIMEOUT", "ENV_HEARTBEAT_FILE",
-    "ENV_RESTART_COUNT", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED",
+    "ENV_RESTART_COUNT", "EXIT_COLLECTIVE_TIMEOUT", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED",
     "EXIT_USAGE", "EXIT_WORKER_FAILED", "FAILED_GROUP_GRACE_SECONDS", "Failure",
     "LaunchOptions", "Launcher", "Slots", "cluster_spec", "first_failure",
     "free_ports", "launch", "main", "run", "tf_config",

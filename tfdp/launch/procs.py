@@ -32,10 +32,12 @@ FAILED_GROUP_GRACE_SECONDS = 1.0
 DEFAULT_STARTUP_TIMEOUT = 600.0
 
 # Exit codes of workers that the launcher recognises. They equal
-# tfdp.preemption.EXIT_PREEMPTED and tfdp.heartbeat.EXIT_PEER_LOST (a test
-# checks); they are repeated here so that the launcher imports no TensorFlow.
+# tfdp.preemption.EXIT_PREEMPTED, tfdp.heartbeat.EXIT_PEER_LOST and
+# tfdp.stall.EXIT_COLLECTIVE_TIMEOUT (a test checks); they are repeated
+# here so that the launcher imports no TensorFlow.
 EXIT_PREEMPTED = 75   # saved at a step all workers agreed on; relaunch to resume
 EXIT_PEER_LOST = 69   # a worker's peer disappeared; a consequence, not a cause
+EXIT_COLLECTIVE_TIMEOUT = 70  # waited past the collective timeout: a worker is stuck
 
 # Environment of every worker.
 ENV_HEARTBEAT_FILE = "TFDP_HEARTBEAT_FILE"
@@ -60,6 +62,8 @@ def describe_exit(code: int) -> str:
     return f"was preempted (exit code {code})"
   if code == EXIT_PEER_LOST:
     return f"lost a peer (exit code {code})"
+  if code == EXIT_COLLECTIVE_TIMEOUT:
+    return f"waited past the collective timeout (exit code {code})"
   return f"exited with code {code}"
 
 
