@@ -191,8 +191,7 @@ def _install_gradient_path():
                      "gradient_path"),
           patch_attr(_LSO, "apply", lso_apply_reduced, "gradient_path"),
           patch_attr(_TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients,
-                     "gradient_path"),
-]
+                     "gradient_path")]
 
   def revert():
     for u in reversed(undo):
