@@ -89,14 +89,15 @@ def configure_cpu_replicas(n: int | None) -> None:
 
 
 def communication_options(implementation: str = "auto", *,
-                          timeout_seconds: float | None = None,
                           bytes_per_pack: int = 0
                           ) -> tf.distribute.experimental.CommunicationOptions:
   """`tf.distribute.experimental.CommunicationOptions` for collective all-reduce.
 
+  No TensorFlow timeout: it keeps a timer thread per collective for the
+  whole timeout; tfdp.stall keeps the collective deadline instead.
+
   Raises:
-    ConfigError: a single-host method, a negative pack size or a timeout
-      that is not positive.
+    ConfigError: a single-host method or a negative pack size.
   """
   impls = tf.distribute.experimental.CommunicationImplementation
   mapping = {"auto": impls.AUTO, "ring": impls.RING, "nccl": impls.NCCL}
@@ -107,12 +108,8 @@ def communication_options(implementation: str = "auto", *,
         "single-host MirroredStrategy methods).")
   if bytes_per_pack is None or bytes_per_pack < 0:
     raise errors.ConfigError(f"bytes_per_pack must be >= 0, got {bytes_per_pack!r}.")
-  if timeout_seconds is not None and timeout_seconds <= 0:
-    raise errors.ConfigError(
-        f"timeout_seconds must be positive or None, got {timeout_seconds!r}.")
   return tf.distribute.experimental.CommunicationOptions(
-      bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds,
-      implementation=mapping[implementation])
+      bytes_per_pack=bytes_per_pack, implementation=mapping[implementation])
 
 
 class _CpuReplicasExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
