@@ -7,12 +7,20 @@ iterator of a tf.data pipeline with a shuffle buffer, as per-worker state):
   blocked     wall time the training thread spends in the save call
               (median over --saves saves, a training update between them),
               beside a memcpy of the same bytes into a reused buffer;
+  in the      what the training update right after a save costs more than
+  next step   one without a save in flight: TF copies a variable's buffer
+              before updating it while the writer still holds an alias of
+              it (copy-on-write). An explicit copy into the slot in the
+              step would cost the memcpy instead;
   writer CPU  the CPU time of the writer thread per save (its thread clock;
-              TF's SaveV2 runs on the calling thread), beside the CPU of a
-              raw write of the same bytes (one `os.writev` + fsync);
+              TF's SaveV2 runs on the calling thread), beside the local
+              tier's floor, a memcpy plus google-crc32c over the same bytes
+              (goal: at most 1.5x), and beside the CPU of a raw write of
+              the same bytes (one `os.writev` + fsync);
   memory      the peak resident memory the saves add (VmHWM after the saves
-              minus before, /proc/self/clear_refs resets it), beside the
-              state's bytes.
+              minus before, /proc/self/clear_refs resets it; a local save's
+              two mapped slots count), beside the state's bytes (goal: at
+              most 2x).
 
 Run: .venv/bin/python scripts/bench_save.py [--mb=16] [--data_position] [--out=FILE]
 """
@@ -60,15 +68,19 @@ def _peak_rss():
 
 
 def _floors(nbytes, directory):
-  """(memcpy seconds, raw write+fsync seconds, raw write CPU seconds) of `nbytes`, medians."""
+  """Medians of (memcpy, raw write+fsync, raw write CPU, google-crc32c) seconds for `nbytes`."""
+  import google_crc32c  # pylint: disable=g-import-not-at-top
   src = np.ones(nbytes // 4, np.float32)
   dst = np.empty_like(src)
-  copies, writes, cpus = [], [], []
+  copies, writes, cpus, crcs = [], [], [], []
   path = os.path.join(directory, "raw.bin")
   for _ in range(5):
     t = time.perf_counter()
     np.copyto(dst, src)
     copies.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    google_crc32c.value(dst)
+    crcs.append(time.perf_counter() - t)
     t, c = time.perf_counter(), time.thread_time()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.writev(fd, [memoryview(src)])
@@ -77,7 +89,7 @@ def _floors(nbytes, directory):
     writes.append(time.perf_counter() - t)
     cpus.append(time.thread_time() - c)
     os.remove(path)
-  return bench_common.median(copies), bench_common.median(writes), bench_common.median(cpus)
+  return tuple(bench_common.median(x) for x in (copies, writes, cpus, crcs))
 
 
 class _Position:
@@ -114,9 +126,10 @@ def _measure(kind, mb, base):
       v.assign_add(tf.ones_like(v) * 1e-3)
     step.assign_add(1)
 
-  blocked, other_cpu = [], []
+  blocked, other_cpu, after, plain = [], [], [], []
   _peak_rss_reset()
   rss0 = _peak_rss()
+  state_bytes = 0
   for i in range(FLAGS.saves + 2):
     train_step()
     if position is not None:
@@ -127,19 +140,30 @@ def _measure(kind, mb, base):
     else:
       mgr.save(checkpoint_number=int(step.numpy()))
     took = time.perf_counter() - t
+    t = time.perf_counter()
     train_step()  # Training goes on while the writer works (copy-on-write).
+    in_flight = time.perf_counter() - t
     mgr.sync()
+    t = time.perf_counter()
+    train_step()  # The same update with no save in flight.
+    alone = time.perf_counter() - t
     writer = (mgr._local._writer if kind == "local" else mgr._writer)  # pylint: disable=protected-access
     if i >= 2:
       blocked.append(took)
       other_cpu.append(writer.cpu_seconds[-1] if kind != "sync" else 0.0)
+      after.append(in_flight)
+      plain.append(alone)
   peak = _peak_rss() - rss0
+  if kind == "local":
+    from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+    state_bytes = manifest_lib.read_manifest(mgr.local_checkpoints()[-1]).state_bytes
   mgr.close()
   shutil.rmtree(work, ignore_errors=True)
   if local:
     shutil.rmtree(local, ignore_errors=True)
   return {"blocked_s": bench_common.median(blocked), "writer_cpu_s": bench_common.median(other_cpu),
-          "peak_rss_delta": peak}
+          "next_update_extra_s": bench_common.median(after) - bench_common.median(plain),
+          "peak_rss_delta": peak, "state_bytes": state_bytes}
 
 
 def main(argv):
@@ -150,19 +174,22 @@ def main(argv):
   rows = []
   try:
     for mb in (int(m) for m in FLAGS.mb):
-      nbytes = mb << 20
-      memcpy, write, write_cpu = _floors(nbytes, base)
       for kind in FLAGS.kinds:
         r = _measure(kind, mb, base)
-        row = {"kind": kind, "mb": mb, "memcpy_s": memcpy, "raw_write_s": write,
-               "raw_write_cpu_s": write_cpu, **r,
+        nbytes = r["state_bytes"] or mb << 20  # The bytes the copy holds (the position's too).
+        memcpy, write, write_cpu, crc = _floors(nbytes, base)
+        row = {"kind": kind, "mb": mb, "bytes": nbytes, "memcpy_s": memcpy, "crc32c_s": crc,
+               "raw_write_s": write, "raw_write_cpu_s": write_cpu, **r,
                "blocked_over_memcpy": r["blocked_s"] / memcpy,
-               "writer_cpu_budget_s": 0.002 + nbytes / 1e9}
+               "writer_over_floor": r["writer_cpu_s"] / (memcpy + crc),
+               "peak_over_state": r["peak_rss_delta"] / nbytes}
         rows.append(row)
-        print(f"[bench_save] {kind:5s} {mb:4d} MB: blocked {1e3 * r['blocked_s']:7.2f} ms "
-              f"({row['blocked_over_memcpy']:5.1f}x memcpy {1e3 * memcpy:.2f} ms), writer CPU "
-              f"{1e3 * r['writer_cpu_s']:7.2f} ms (budget {1e3 * row['writer_cpu_budget_s']:.1f}, "
-              f"raw write CPU {1e3 * write_cpu:.2f}), peak RSS +{r['peak_rss_delta'] / 1e6:.1f} MB",
+        print(f"[bench_save] {kind:5s} {mb:4d} MB ({nbytes / 1e6:.1f} MB saved): blocked "
+              f"{1e3 * r['blocked_s']:6.2f} ms ({row['blocked_over_memcpy']:4.2f}x memcpy "
+              f"{1e3 * memcpy:.2f} ms), next update +{1e3 * r['next_update_extra_s']:.2f} ms, "
+              f"writer CPU {1e3 * r['writer_cpu_s']:6.2f} ms ({row['writer_over_floor']:4.2f}x "
+              f"memcpy+crc32c {1e3 * (memcpy + crc):.2f} ms; raw write CPU {1e3 * write_cpu:.2f}),"
+              f" peak RSS +{r['peak_rss_delta'] / 1e6:.1f} MB ({row['peak_over_state']:.2f}x)",
               flush=True)
   finally:
     shutil.rmtree(base, ignore_errors=True)

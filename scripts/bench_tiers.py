@@ -58,6 +58,7 @@ flags.DEFINE_list("fit_variants", list(_FIT_VARIANTS), "Throughput variants to r
 flags.DEFINE_list("local_every", ["1", "5", "auto"], "Intervals of the local variants "
                   "(local and local_no_position run once per interval).")
 flags.DEFINE_float("overhead", 0.02, "checkpoint_overhead of the 'auto' local variant.")
+flags.DEFINE_integer("persistent_every", 50, "Steps between the persistent variants' saves.")
 flags.DEFINE_enum("fit_setup", "conv", ["conv", "mirrored"], "Throughput part's script: a small "
                   "conv net with no strategy and ~4 MB of state (conv), or the user's own "
                   "MirroredStrategy over 2 logical CPUs, an MLP with 16 MB of state and "
@@ -127,6 +128,12 @@ def _fit_child():
     x = rng.normal(size=(1024, 32, 32, 3)).astype("float32")
     y = rng.integers(0, 10, size=1024)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(_BATCH).prefetch(2)
+  # Whole iterator states taken (tf.data's SerializeIterator: what a data
+  # position costs most), counted in this run.
+  from tensorflow.python.ops import gen_dataset_ops  # pylint: disable=g-import-not-at-top
+  whole = []
+  real_capture = gen_dataset_ops.serialize_iterator
+  gen_dataset_ops.serialize_iterator = lambda *a, **k: whole.append(1) or real_capture(*a, **k)
   stamps = bench_common.step_stamps_callback()
   callbacks = [stamps]
   backup = None
@@ -139,7 +146,8 @@ def _fit_child():
         checkpoint_overhead=FLAGS.overhead)
   elif FLAGS.variant in ("persistent_async", "persistent_sync"):
     backup = tfdp.callbacks.BackupAndRestore(
-        backup_dir, save_freq=_SAVE_EVERY, async_save=FLAGS.variant == "persistent_async")
+        backup_dir, save_freq=FLAGS.persistent_every,
+        async_save=FLAGS.variant == "persistent_async")
   elif FLAGS.variant == "backup_nosave":
     backup = tfdp.callbacks.BackupAndRestore(backup_dir, save_freq=False)
   skipped = []
@@ -165,9 +173,11 @@ def _fit_child():
   # Step i + 1 ends at stamps[i], after the callback's save (if due) there:
   # steps that save show the blocking, the others any background contention.
   ms = {True: [], False: []}
+  every = (FLAGS.persistent_every if FLAGS.variant.startswith("persistent") else
+           int(FLAGS.every) if FLAGS.every.isdigit() else _SAVE_EVERY)
   for i in range(warmup, len(stamps.stamps)):
-    ms[(i + 1) % _SAVE_EVERY == 0].append(1000 * (stamps.stamps[i] - stamps.stamps[i - 1]))
-  _write({"rates": rates, "state_bytes": state,
+    ms[(i + 1) % every == 0].append(1000 * (stamps.stamps[i] - stamps.stamps[i - 1]))
+  _write({"rates": rates, "state_bytes": state, "whole_states": len(whole),
           "local_saves_skipped": skipped[0] if skipped else None,
           "local_interval": skipped[1] if skipped else None,
           "save_step_ms": bench_common.median(ms[True]),
@@ -379,7 +389,7 @@ def _variants():
     if v in ("local", "local_no_position"):
       out += [(f"{v}@{every}", v, every) for every in FLAGS.local_every]
     else:
-      out.append((v, v, str(_SAVE_EVERY)))
+      out.append((v, v, str(FLAGS.persistent_every)))
   return out
 
 
@@ -391,6 +401,7 @@ def _throughput_part(base, log):
   other_ms = {n: [] for n in names}
   skipped = {n: [] for n in names}
   interval = {n: [] for n in names}
+  whole = {n: [] for n in names}
   state = None
   for rnd in range(FLAGS.rounds):
     for name, variant, every in order[rnd % len(order):] + order[:rnd % len(order)]:
@@ -406,6 +417,7 @@ def _throughput_part(base, log):
       other_ms[name].append(r["other_step_ms"])
       skipped[name].append(r["local_saves_skipped"])
       interval[name].append(r["local_interval"])
+      whole[name].append(r["whole_states"])
       state = r["state_bytes"]
       shutil.rmtree(work, ignore_errors=True)
       _log(f"throughput round {rnd} {name}: {rates[name][-1]:.2f} steps/s")
@@ -414,22 +426,24 @@ def _throughput_part(base, log):
            "other_step_ms": bench_common.median(other_ms[n]), "vs_none": med[n] / med["none"],
            "interval": " ".join(str(i) for i in interval[n] if i is not None) or "-",
            "skipped": " ".join(str(k) for k in skipped[n] if k is not None) or "-",
+           "whole_states": " ".join(str(k) for k in whole[n]),
            "runs": " ".join(f"{x:.1f}" for x in rates[n])} for n in names]
   setup = ("the user's own MirroredStrategy over 2 logical CPUs, MLP, batch 64, "
            "shuffle(2048) of uint8 images" if FLAGS.fit_setup == "mirrored" else
            f"conv net, no strategy, batch {_BATCH}")
   print(f"\nthroughput: plain model.fit, {setup}, "
         f"{state / _MB:.1f} MB of state, {FLAGS.fit_steps} steps a run, persistent saves "
-        f"every {_SAVE_EVERY} steps, local saves every N = {', '.join(FLAGS.local_every)} "
+        f"every {FLAGS.persistent_every} steps, local saves every N = {', '.join(FLAGS.local_every)} "
         f"('auto': budget {FLAGS.overhead:.0%}), median of {FLAGS.rounds} interleaved runs")
   print(bench_common.table(rows, [
       ("variant", "variant", None), ("steps_per_s", "steps/s", "{:.2f}"),
       ("vs_none", "vs none", "{:.3f}"),
-      ("save_step_ms", f"median ms, steps % {_SAVE_EVERY} = 0", "{:.1f}"),
+      ("save_step_ms", "median ms, saving steps", "{:.1f}"),
       ("other_step_ms", "median ms, other steps", "{:.1f}"),
       ("interval", "local interval at the end", None),
-      ("skipped", "local saves skipped", None), ("runs", "per-run steps/s", None)]))
-  goals = {"local@1": 0.95, "local@5": 0.98, "local@auto": 0.98}
+      ("skipped", "local saves skipped", None),
+      ("whole_states", "whole data positions taken", None), ("runs", "per-run steps/s", None)]))
+  goals = {"local@1": 0.85, "local@5": 0.95, "local@auto": 0.98, "persistent_async": 0.98}
   targets = {n: {"min": g, "ratio": med[n] / med["none"], "met": med[n] / med["none"] >= g}
              for n, g in goals.items() if n in med}
   print("; ".join(f"{n}/none {t['ratio']:.3f} (target >= {t['min']}: "

@@ -42,18 +42,18 @@ def test_close_ends_the_side_channel_its_threads_and_its_connections(tmp_path):
 
 
 def test_what_a_write_cut_short_left_is_removed_when_the_tier_starts(tmp_path):
-  """A SIGKILL in the middle of keeping a neighbour's state, or of merging a received copy."""
+  """A SIGKILL in the middle of keeping a neighbour's state, of writing a record, of making a TF index."""
   tiers, _ = tier_runs.linked_tiers(str(tmp_path))
   tier_runs.save_local(tiers[1], 2)
   for tier in tiers:
     tier.close()
   folder = tiers[0].layout.directory
   kept = layout_lib.peer_copy_path(folder, 1, "ckpt", 2)
+  prefix = tiers[0].layout.prefix(6)
   torn = [layout_lib.atomic_tmp_path(layout_lib.peer_copy_path(folder, 1, "ckpt", 4)),
-          tiers[0].layout.received(6) + ".index",
-          tiers[0].layout.received(6) + ".data-00000-of-00001",
-          tiers[0].layout.received_own(6) + ".index",
-          tiers[0].layout.received_own(6) + ".data-00000-of-00001.tempstate123"]
+          layout_lib.atomic_tmp_path(layout_lib.manifest_path(prefix)),
+          layout_lib.index_path(prefix), layout_lib.index_path(prefix) + ".tempstate123",
+          layout_lib.data_filename(prefix, 0, 1) + ".tempstate123"]
   for path in torn:
     with open(path, "wb") as f:
       f.write(b"half")
@@ -72,15 +72,15 @@ def test_a_copy_cut_short_in_transfer_leaves_nothing(tmp_path):
     tier_runs.save_local(tiers[0], 6)
     (held,) = tiers[0].held()
     key = tiers[1].link.expect(wire.COPY, 6, 0)
-    sizes = [os.path.getsize(p) for p in tiers[0].files_of(held)]
-    head = json.dumps({"kind": wire.COPY, "step": 6, "from": 0, "sizes": sizes,
+    path, size = tiers[0].send_of(held)
+    head = json.dumps({"kind": wire.COPY, "step": 6, "from": 0, "sizes": [size],
                        "manifest": held.manifest.to_json()}).encode()
     with tiers[0].link._connect(1) as sock:  # pylint: disable=protected-access
-      sock.sendall(struct.pack("<Q", len(head)) + head + b"x" * sizes[0] + b"y" * (sizes[1] // 2))
+      sock.sendall(struct.pack("<Q", len(head)) + head + open(path, "rb").read(size // 2))
       # ... and the holder dies.
     with pytest.raises(ConnectionError, match="stopped in the middle"):
       tiers[1].link.wait(key)
-    assert not [f for f in os.listdir(tiers[1].layout.directory) if f.startswith("received")]
+    assert not tiers[1].held()  # No record names the slot the bytes landed in.
   finally:
     for tier in tiers:
       tier.close()

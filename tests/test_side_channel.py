@@ -23,6 +23,7 @@ from tests.tier_runs import replaced_host_job  # pylint: disable=unused-import
 from tfdp.checkpoint import copies
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import peers
+from tfdp.checkpoint import slots
 from tfdp.checkpoint import wire
 
 sys.path.insert(0, WORKERS)
@@ -150,21 +151,27 @@ def test_headers_that_are_right_pass():
     wire.check_header({"kind": "done", "from": 1, "step": 0, "sizes": [1]}, 1, 2)
 
 
-def test_a_copy_offered_at_a_restore_is_checked_and_written_only_where_the_layout_says(tmp_path):
+def test_a_copy_offered_at_a_restore_is_checked_and_lands_only_where_the_layout_says(tmp_path):
   layout = layout_lib.Layout(str(tmp_path / "worker-1"), "ckpt")
+  slot = slots.Slot(layout.slot(1))
+  entry = ["v", "float32", [5], 0, 20, 7]
   man = {"prefix": "ckpt-7", "step": 7, "checkpoint_number": 7, "tier": "local",
-         "files": [{"name": "ckpt-7.index", "size": 10},
-                   {"name": "ckpt-7.data-00000-of-00001", "size": 20, "tensors": ["v"]}]}
-  got, paths = copies.incoming(layout, 7, json.dumps(man), [10, 20])
-  assert got.step == 7 and paths == [layout.received(7) + ".index",
-                                     layout.received(7) + ".data-00000-of-00001"]
+         "files": [{"name": "ckpt.slot-0", "size": 20, "entries": [entry]}]}
+  got = copies.incoming(layout, slot, 7, json.dumps(man), [20])
+  assert got.manifest.step == 7 and got.slot.path == layout.slot(1) and got.size == 20
+  bad_entries = [[["v", "float32", [6], 0, 20, 7]], [["v", "resource", [5], 0, 20, 7]],
+                 [["../../x", "float32", [5], 0, 20, 7], ["../../x", "int8", [0], 20, 0, 0]],
+                 [["v", "float32", [5], -4, 20, 7]], [["v", "float32", [5], 4, 20, 7]],
+                 [["v", "float32", [5], 0, 20, 2 ** 40]], "x", [[1, 2]]]
   for bad in [dict(man, prefix="../../ckpt-7"), dict(man, step=8), dict(man, tier="persistent"),
-              dict(man, files=[dict(man["files"][0], name="../../../etc/x"), man["files"][1]]),
-              dict(man, files=man["files"][:1]), dict(man, files="x"), "not a manifest"]:
+              dict(man, files=[]), dict(man, files="x"), "not a manifest",
+              dict(man, files=[man["files"][0], man["files"][0]])] + [
+                  dict(man, files=[dict(man["files"][0], entries=e)]) for e in bad_entries]:
     with pytest.raises(wire.Refused):
-      copies.incoming(layout, 7, json.dumps(bad), [10, 20])
+      copies.incoming(layout, slot, 7, json.dumps(bad), [20])
   with pytest.raises(wire.Refused):  # Sizes that do not match the manifest.
-    copies.incoming(layout, 7, json.dumps(man), [10, 2 ** 40])
+    copies.incoming(layout, slot, 7, json.dumps(man), [2 ** 40])
+  assert not os.path.exists(layout.slot(1))  # Nothing was written.
 
 
 def test_a_restore_accepts_only_the_message_it_waits_for(tiers):
@@ -173,16 +180,16 @@ def test_a_restore_accepts_only_the_message_it_waits_for(tiers):
   (held,) = tiers[0].held()
   link0, link1 = tiers[0].link, tiers[1].link
   try:  # Not expected: dropped.
-    link0.send_copy(1, 6, held.manifest.to_json(), tiers[0].files_of(held))
+    link0.send_copy(1, 6, held.manifest.to_json(), *tiers[0].send_of(held))
   except OSError:
     pass  # The server closed the connection before it got all of it.
   key = link1.expect(wire.COPY, 6, 0)
   sender = threading.Thread(target=link0.send_copy,
-                            args=(1, 6, held.manifest.to_json(), tiers[0].files_of(held)))
+                            args=(1, 6, held.manifest.to_json(), *tiers[0].send_of(held)))
   sender.start()
-  _, offered, paths = link1.wait(key)
+  _, offered = link1.wait(key)
   sender.join()
-  assert offered.step == 6 and all(os.path.exists(p) for p in paths)
+  assert offered.manifest.step == 6 and os.path.exists(offered.slot.path)
   deadline = time.monotonic() + 10
   while link1.refusals.count < 1 and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -204,9 +211,8 @@ def test_a_stranger_against_a_running_jobs_side_channel_gets_nothing_in(replaced
   assert insider and all(o.startswith("closed") for o in insider.values()), insider
   with open(os.path.join(root, "attack", "check.json"), encoding="utf-8") as f:
     check = json.load(f)  # Worker 1's tier right after the attacks.
-  allowed = {f"ckpt-{s}.{k}" for s in range(check["step"] + 1)
-             for k in ("index", "data-00000-of-00001", "manifest.json")}
-  allowed |= {f"peer-0/ckpt-{s}" for s in range(check["step"] + 1)}
+  allowed = {f"ckpt-{s}.manifest.json" for s in range(check["step"] + 1)}
+  allowed |= {f"peer-0/ckpt-{s}" for s in range(check["step"] + 1)} | {"ckpt.slot-0", "ckpt.slot-1"}
   assert set(check["files"]) <= allowed, check
   assert check["refused"] >= len(insider) + 5 and check["threads"] < 20, check
   # Each kind of problem is logged once per worker, not once per connection.

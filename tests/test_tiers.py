@@ -3,6 +3,8 @@
 import dataclasses
 import os
 import shutil
+import socket
+import threading
 
 import numpy as np
 import pytest
@@ -68,47 +70,39 @@ def test_the_workers_choose_the_newest_state_they_can_have(rows, expected):
   assert (got + (True,) if choice.per_worker else got) == expected
 
 
-_VALUES = {
-    "f32": tf.constant([-0.0, 0.0, 1.5, np.nan, -np.inf], tf.float32),
-    "f64": tf.constant([-0.0, 1e-300], tf.float64),
-    "f16": tf.constant([-0.0, 65504.0, 1e-7], tf.float16),
-    "bf16": tf.constant([-0.0, 3.0], tf.bfloat16),
-    "i8": tf.constant([-128, 127], tf.int8),
-    "u8": tf.constant([0, 255], tf.uint8),
-    "i32": tf.constant([-(2 ** 31), 2 ** 31 - 1], tf.int32),
-    "i64": tf.constant([-(2 ** 63), 2 ** 63 - 1], tf.int64),
-    "bool": tf.constant([True, False]),
-    "str": tf.constant(b"{\"run\": 1}\x00\xff"),
-    "strs": tf.constant([b"", b"abc", b"\x00" * 9]),
-}
-
-
-def _assert_bitwise(got, value, key):
-  got = tf.convert_to_tensor(got)
-  assert got.dtype == value.dtype and got.shape == value.shape, key
-  if value.dtype == tf.string:
-    assert np.array(got.numpy()).tolist() == np.array(value.numpy()).tolist(), key
-  else:
-    assert got.numpy().tobytes() == value.numpy().tobytes(), key
-
-
 def test_per_worker_tensors_cross_the_side_channel_bitwise_for_every_dtype():
   """-0.0, NaN payloads, odd dtypes and strings: what a neighbour keeps and sends back."""
-  description, blobs = wire.tensors_to_wire(_VALUES)
+  from tests.test_slots import VALUES, _same  # pylint: disable=g-import-not-at-top
+  description, blobs = wire.tensors_to_wire(VALUES)
   out = wire.tensors_from_wire(description, [bytes(b) for b in blobs])
-  for key, value in _VALUES.items():
-    _assert_bitwise(out[key], value, key)
+  for key, value in VALUES.items():
+    _same(out[key], value, key)
+
+
+def _send(tier, held, offer):
+  """The holder's slot over a real socket (sendfile), into the receiver's slot."""
+  path, size = tier.send_of(held)
+  a, b = socket.socketpair()
+  sender = threading.Thread(target=lambda: (wire.send_file(a, {}, path, size), a.close()))
+  sender.start()
+  try:
+    assert wire.read_header(b)["sizes"] == [size]
+    offer.receive(b)
+  finally:
+    sender.join()
+    b.close()
 
 
 def test_a_copy_sent_by_a_peer_becomes_this_workers_own_and_restores_bitwise(tmp_path):
-  """The holder's files as they are, plus this worker's per-worker state (from its neighbour), merged."""
+  """The holder's slot as it is, plus this worker's per-worker state (from its neighbour), after it."""
+  from tests.test_slots import VALUES, _same  # pylint: disable=g-import-not-at-top
   holder = local_lib.LocalTier(layout_lib.Layout(str(tmp_path / "w0"), "ckpt"),
                                cluster.Worker(0, 2), 5, 60)
   receiver = local_lib.LocalTier(layout_lib.Layout(str(tmp_path / "w1"), "ckpt"),
                                  cluster.Worker(1, 2), 5, 60)
   for tier in (holder, receiver):
     tier.start("token", "session")
-  state = {k: tf.Variable(v) for k, v in _VALUES.items() if v.dtype != tf.string}
+  state = {k: tf.Variable(v) for k, v in VALUES.items() if v.dtype != tf.string}
   ckpt = tf.train.Checkpoint(**state)
   items = items_lib.gather(ckpt)
   items.append(planner.Item(layout_lib.per_worker_prefix(0) + "data", "",
@@ -117,36 +111,30 @@ def test_a_copy_sent_by_a_peer_becomes_this_workers_own_and_restores_bitwise(tmp
   holder.save(7, lambda: items, lambda: meta)
   holder.wait()
   (held,) = holder.held()
-  files = holder.files_of(held)
-  # What the side channel checks and where it writes, from the offer's manifest.
-  offered, paths = copies.incoming(receiver.layout, 7, held.manifest.to_json(),
-                                   [os.path.getsize(f) for f in files])
-  for src, dst in zip(files, paths):
-    shutil.copyfile(src, dst)
-  own = {"data": tf.constant(b"receiver's position")}
-  held = receiver.receive(7, offered, own)
-  assert held.prefix == str(tmp_path / "w1" / "ckpt-7") and receiver.held()[0].step == 7
-  manifest_lib.verify(held.prefix)
+  # What the side channel checks and where the bytes land, from the offer's record.
+  offer = receiver._incoming(7, held.manifest.to_json(), [held.manifest.slot.size])  # pylint: disable=protected-access
+  _send(holder, held, offer)
+  got = receiver.receive(7, offer, {"data": tf.constant(b"receiver's position")})
+  assert got.prefix == str(tmp_path / "w1" / "ckpt-7") and receiver.held()[0].step == 7
   fresh = {k: tf.Variable(tf.zeros_like(v)) for k, v in state.items()}
-  restore_lib.restore_verified(tf.train.Checkpoint(**fresh), held.prefix, held.manifest)
+  tensors = copies.restore(tf.train.Checkpoint(**fresh), receiver.layout, got.prefix,
+                           got.manifest)
   for key, value in state.items():
-    _assert_bitwise(fresh[key], value, key)
-  reader = tf.train.load_checkpoint(held.prefix)
+    _same(fresh[key], value, key)
+  assert tensors[layout_lib.per_worker_prefix(1) + "data"] == b"receiver's position"
+  copies.readable(receiver.layout, got.prefix, got.manifest)  # TF reads it too.
+  reader = tf.train.load_checkpoint(got.prefix)
   assert reader.get_tensor(layout_lib.per_worker_prefix(1) + "data") == b"receiver's position"
-  assert not [f for f in os.listdir(tmp_path / "w1") if f.startswith("received")]
-  # A received copy (two data files, worker 0's state in it) sent back to a
-  # replaced worker 0: its manifest describes every data file, and worker
-  # 0's state is the one the copy holds.
-  paths = copies.incoming(holder.layout, 7, held.manifest.to_json(),
-                          [os.path.getsize(f) for f in receiver.files_of(held)])[1]
-  holder.delete(holder.layout.prefix(7))
-  for src, dst in zip(receiver.files_of(held), paths):
-    shutil.copyfile(src, dst)
-  again = holder.receive(7, held.manifest, {"data": tf.constant(b"holder's position")})
-  assert again.manifest.num_shards == 2 and again.manifest.per_worker_required
-  manifest_lib.verify(again.prefix)
-  reader = tf.train.load_checkpoint(again.prefix)
-  assert reader.get_tensor(layout_lib.per_worker_prefix(0) + "data") == b"holder's position"
+  # A received copy (worker 0's state in it) sent back to a replaced worker 0:
+  # worker 0's state is the one the copy holds.
+  holder.drop()
+  offer = holder._incoming(7, got.manifest.to_json(), [got.manifest.slot.size])  # pylint: disable=protected-access
+  _send(receiver, got, offer)
+  again = holder.receive(7, offer, {"data": tf.constant(b"another position")})
+  assert again.manifest.per_worker_required
+  tensors = copies.restore(tf.train.Checkpoint(**fresh), holder.layout, again.prefix,
+                           again.manifest)
+  assert tensors[layout_lib.per_worker_prefix(0) + "data"] == b"holder's position"
 
 
 class _Run:
@@ -187,37 +175,53 @@ def run(tmp_path):
 
 
 def test_a_restart_takes_the_newer_local_copy_without_reading_the_persistent_one(run, monkeypatch):
-  run.train(27)  # Persistent at steps 1, 11, 21; local every 5 steps, 2 kept.
+  run.train(27)  # Persistent at steps 1, 11, 21; local every 5 steps, one copy in each slot.
   assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-20", "ckpt-25"]
   read = []
-  real = restore_lib.restore_verified
-  monkeypatch.setattr(restore_lib, "restore_verified",
-                      lambda c, p, m: (read.append(p), real(c, p, m))[1])
+  real = copies.restore
+  monkeypatch.setattr(copies, "restore", lambda c, l, p, m, a=None: (read.append(p), real(
+      c, l, p, m, a))[1])
+  monkeypatch.setattr(restore_lib, "restore_verified", None)  # The persistent tier is not read.
   again = run.restart()
   prefix = again.manager.restore_or_initialize()
   assert again.manager.restored_tier == "local" and prefix.endswith("worker-0/ckpt-25")
-  assert read == [prefix]  # Only the local copy's tensors were read.
+  assert read == [prefix]
   assert int(again.step.numpy()) == 25
   np.testing.assert_array_equal(again.v.numpy(), run.value_at(25))
 
 
-def test_damaged_or_foreign_local_copies_fall_back_to_the_next_intact_state(run):
-  run.train(27)
-  newest, older = run.manager.local_checkpoints()[::-1]
-  # A flipped byte in the newest (TF's CRC32C finds it at restore): deleted,
-  # then the older local copy, 20, is older than persistent 21.
-  data = layout_lib.data_filename(newest, 0, 1)
-  raw = bytearray(open(data, "rb").read())
-  raw[len(raw) // 2] ^= 0xFF
-  open(data, "wb").write(bytes(raw))
+def _flip(manager, step, key="v/.ATTRIBUTES/VARIABLE_VALUE"):
+  """Flips one byte of tensor `key` in the slot of local copy `step`."""
+  tier = manager._local  # pylint: disable=protected-access
+  man = manifest_lib.read_manifest(tier.layout.prefix(step))
+  entry = next(e for e in man.slot.entries if e.key == key)
+  with open(tier.layout.slot(copies.slot_index(tier.layout, man)), "r+b") as f:
+    f.seek(entry.offset + entry.size // 2)
+    byte = f.read(1)
+    f.seek(entry.offset + entry.size // 2)
+    f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("local_every,fallback", [(5, "persistent"), (1, "local")])
+def test_a_flipped_byte_in_the_newest_slot_is_named_and_the_run_ends_bitwise_equal(
+    tmp_path, caplog, local_every, fallback):
+  """The restore names the tensor and takes the other slot (or the persistent tier); nothing of the damaged copy is assigned."""
+  run = _Run(str(tmp_path), local_every=local_every)
+  run.train(27)  # Persistent at 21; local 20 and 25 (every 5), or 26 and 27 (every step).
+  newest = max(layout_lib.number_of(p) for p in run.manager.local_checkpoints())
+  _flip(run.manager, newest)
   again = run.restart()
-  assert again.manager.restore_or_initialize().endswith("model/ckpt-3")
-  assert again.manager.restored_tier == "persistent" and int(again.step.numpy()) == 21
-  assert again.manager.local_checkpoints() == [older]
-  # A truncated file is found before any read.
-  again.train(26)
-  newest = again.manager.local_checkpoints()[-1]
-  with open(layout_lib.data_filename(newest, 0, 1), "r+b") as f:
+  with caplog.at_level("WARNING"):
+    again.manager.restore_or_initialize()
+  assert "tensor 'v/.ATTRIBUTES/VARIABLE_VALUE' does not match its CRC32C" in caplog.text
+  assert again.manager.restored_tier == fallback
+  assert int(again.step.numpy()) == {"persistent": 21, "local": 26}[fallback]
+  again.train(30)
+  np.testing.assert_array_equal(again.v.numpy(), run.value_at(30))  # bitwise: exact float32
+  # A truncated slot is found before any read.
+  with open(again.manager._local.slots[0].path, "r+b") as f:  # pylint: disable=protected-access
+    f.truncate(10)
+  with open(again.manager._local.slots[1].path, "r+b") as f:  # pylint: disable=protected-access
     f.truncate(10)
   third = again.restart()
   third.manager.restore_or_initialize()
@@ -246,14 +250,11 @@ def test_a_local_restore_that_fails_moves_on_and_a_restart_does_not_try_it_again
                                                                                caplog):
   """Finding 1: a read error of the local copy (not damage) was fatal, and again at every restart."""
   run.train(27)  # Persistent at steps 1, 11, 21; local at 20 and 25.
-  real = restore_lib.restore_verified
 
-  def flaky(checkpoint, prefix, man):
-    if "worker-0" in prefix:
-      raise tf.errors.UnavailableError(None, None, "injected: the local copy cannot be read now")
-    return real(checkpoint, prefix, man)
+  def flaky(*args, **kwargs):
+    raise OSError("injected: the local copy cannot be read now")
 
-  monkeypatch.setattr(restore_lib, "restore_verified", flaky)
+  monkeypatch.setattr(copies, "restore", flaky)
   again = run.restart()
   with caplog.at_level("WARNING"):
     assert again.manager.restore_or_initialize().endswith("model/ckpt-3")

@@ -29,7 +29,7 @@ class Generations:
 
   def __init__(self, num_workers: int, keep: int = LOCAL_KEEP, most: int = MAX_KEEP):
     self.num_workers, self.keep, self.most = num_workers, keep, most
-    self._lock = threading.Lock()
+    self._lock = threading.Condition()
     self._done = {}  # step -> workers whose part is done
     self.floor = None  # The newest complete step (or the step restored).
 
@@ -43,12 +43,19 @@ class Generations:
       if len(workers) >= self.num_workers:
         self.floor = step
         self._done = {s: w for s, w in self._done.items() if s > step}
+        self._lock.notify_all()
+
+  def wait_complete(self, step: int, timeout: float) -> bool:
+    """Waits up to `timeout` seconds until `step` (or a newer one) is complete; returns whether it is."""
+    with self._lock:
+      return self._lock.wait_for(lambda: self.floor is not None and self.floor >= step, timeout)
 
   def restored(self, step: int | None) -> None:
     """A restore at `step` (None: a fresh start): what all workers now hold; earlier reports are void."""
     with self._lock:
       self.floor = step
       self._done = {}
+      self._lock.notify_all()
 
   def doomed(self, steps) -> list[int]:
     """Of the steps held (own copies, or a neighbour's states), those to delete, oldest first."""

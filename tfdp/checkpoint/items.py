@@ -6,6 +6,9 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.trackable import python_state
+from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object
 
 from tfdp import errors
@@ -126,6 +129,54 @@ class CachedGather:
       self._fn = self._keys = None
 
 
+def restore_values(checkpoint: tf.train.Checkpoint, values: dict) -> bool:
+  """Assigns `values` ({key: array}) to `checkpoint`'s objects, as TF's restore would, if they match exactly.
+
+  Each object gets its tensors through its own `_restore_from_tensors`
+  (what TF's restore calls), so distributed variables, Python state and
+  the rest restore as they do from a TF checkpoint. Nothing is assigned,
+  and False returned, when `values` holds a key no object of `checkpoint`
+  saves now, an object has some of its keys and not all, or a dtype or
+  shape differs (TF's restore then defers or reports it).
+  """
+  serialized, _, registered, _ = checkpoint._saver._gather_serialized_tensors(None)  # pylint: disable=protected-access
+  if registered:
+    return False
+  plan, seen = [], set()
+  for trackable, tensor_dict in serialized.items():
+    present = [k for k in tensor_dict if k in values]
+    if trackable is None or not present:
+      continue  # An object the copy does not hold keeps its values, as TF's restore leaves it.
+    if len(present) != len(tensor_dict) or not (
+        isinstance(trackable, python_state.PythonState) or type(trackable)._restore_from_tensors  # pylint: disable=protected-access
+        is not trackable_base.Trackable._restore_from_tensors):  # pylint: disable=protected-access
+      return False
+    names = {}
+    for key, value in tensor_dict.items():
+      if isinstance(value, dict):
+        return False  # Sliced.
+      if isinstance(value, saveable_object.SaveSpec):
+        value = value.tensor
+      value = value() if callable(value) and not isinstance(value, tf.Tensor) else value
+      got = np.asarray(values[key])
+      kind = tf.string if got.dtype.kind in "OS" else tf.as_dtype(got.dtype)
+      if value is None or tf.as_dtype(value.dtype) != kind or list(value.shape) != list(got.shape):
+        return False
+      names[trackable_utils.extract_local_name(key)] = key
+    plan.append((trackable, names))
+    seen.update(tensor_dict)
+  if set(values) - seen - {OBJECT_GRAPH_KEY}:
+    return False
+  for trackable, names in plan:
+    if isinstance(trackable, python_state.PythonState):  # As TF's restore: its string, as is.
+      (key,) = names.values()
+      trackable.deserialize(values[key])
+      continue
+    trackable._restore_from_tensors(  # pylint: disable=protected-access
+        {name: tf.constant(values[key]) for name, key in names.items()})
+  return True
+
+
 class PerWorker:
   """One worker's per-worker state: name -> trackable, saved under `_tfdp_per_worker/<worker>/`.
 
@@ -170,12 +221,13 @@ def writable(value) -> tf.Tensor:
   value = tf.convert_to_tensor(value)
   if value.dtype != tf.variant:
     return value
+  # Held while the bytes are made: the persistent and the local writer of
+  # one step then make them once.
   with _bytes_lock:
     hit = _bytes_of.get(id(value))
-  if hit is not None and hit[0] is value:
-    return hit[1]
-  out = tf.io.serialize_tensor(value)
-  with _bytes_lock:
+    if hit is not None and hit[0] is value:
+      return hit[1]
+    out = tf.io.serialize_tensor(value)
     _bytes_of[id(value)] = (value, out)  # Holds `value`, so its id stays its own.
     while len(_bytes_of) > 4:
       _bytes_of.popitem(last=False)
@@ -186,10 +238,12 @@ def snapshot(items: list[Item]) -> list[Item]:
   """Snapshots the values of `items` in host memory so later updates don't leak in.
 
   A tensor already in host memory is kept as is: it is the result of a
-  ReadVariableOp, and TF's update kernels (assign*, every optimizer apply)
-  copy a variable's buffer before writing when a reader still holds it
-  (copy-on-write), so it cannot change. Other tensors (GPU/TPU) are copied
-  to host memory.
+  ReadVariableOp, an alias of the variable's buffer, and TF's update kernels
+  (assign*, every optimizer apply) copy a variable's buffer before writing
+  when a reader still holds it (copy-on-write), so it cannot change; the
+  writer lets it go as soon as its bytes are in the slot. Other tensors
+  (GPU/TPU) are copied to host memory once (a device-to-host copy into
+  memory TF allocates).
   """
   out = []
   for it in items:
@@ -197,6 +251,10 @@ def snapshot(items: list[Item]) -> list[Item]:
     if isinstance(value, tf.Tensor) and "CPU" in (value.device or "").upper():
       out.append(it)
       continue
-    value = value.numpy() if isinstance(value, tf.Tensor) else value
-    out.append(dataclasses.replace(it, value=np.array(value, copy=True)))
+    if isinstance(value, tf.Tensor) and value.dtype not in (tf.string, tf.variant):
+      value = value._numpy()  # pylint: disable=protected-access
+    elif isinstance(value, tf.Tensor):
+      value = value.numpy()
+    out.append(dataclasses.replace(it, value=np.array(value, copy=True)
+                                   if not isinstance(value, np.ndarray) else value))
   return out

@@ -206,13 +206,9 @@ class Layout:
     """The `.keras` file tfdp-train writes at the end of a run."""
     return os.path.join(self.directory, KERAS_FILENAME)
 
-  def received(self, step: int) -> str:
-    """Where a local tier puts a copy a peer sent before it makes it its own (see LocalTier.receive)."""
-    return os.path.join(self.directory, f"received-{self.name}-{int(step)}")
-
-  def received_own(self, step: int) -> str:
-    """Where a local tier writes its own per-worker state that a neighbour sent back, to merge it in."""
-    return os.path.join(self.directory, f"received-own-{self.name}-{int(step)}")
+  def slot(self, index: int) -> str:
+    """A local tier's slot file `index` (tfdp.checkpoint.slots): the bytes of one copy at a time."""
+    return os.path.join(self.directory, f"{self.name}.slot-{int(index)}")
 
   def recovery_marker(self, step: int) -> str:
     """Written by every worker before a peer recovery of `step`, removed once it succeeded."""

@@ -4,7 +4,6 @@ import dataclasses
 import os
 import threading
 import time
-import uuid
 
 from absl import logging
 
@@ -22,42 +21,16 @@ from tfdp.checkpoint import peers
 from tfdp.checkpoint import planner
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import replicas as replicas_lib
+from tfdp.checkpoint import slots as slots_lib
 from tfdp.checkpoint import wire
 
 LOCAL_KEEP = generations.LOCAL_KEEP
 # With local_checkpoint_every_steps="auto": the share of the training time
 # local saves may cost (their blocked time and their writer's CPU).
 DEFAULT_OVERHEAD = 0.02
-
-
-def ensure_token(layout: layout_lib.Layout) -> str:
-  """The persistent directory's run token, made by the chief when the directory has none.
-
-  Local checkpoints record it: when the persistent directory is emptied or
-  replaced (a new run in the same place), it gets a new token and the local
-  copies of the old run, which may still sit in host memory, are ignored.
-  """
-  found = fs.read_json(layout.tiers_path)
-  if found is not None:
-    return found["token"]
-  token = uuid.uuid4().hex
-  fs.write_json_atomic(layout.tiers_path, {"token": token, "time": time.time()})
-  return token
-
-
-def read_token(layout: layout_lib.Layout, timeout: float) -> str:
-  """The run token the chief made (see ensure_token), waiting up to `timeout` seconds."""
-  deadline = time.monotonic() + timeout
-  while True:
-    found = fs.read_json(layout.tiers_path)
-    if found is not None:
-      return found["token"]
-    if time.monotonic() > deadline:
-      raise errors.CheckpointError(
-          f"{layout.tiers_path} did not appear within {timeout:.0f}s: the chief "
-          "did not start its checkpoint manager with the local tier. Every "
-          "worker must pass the same local_checkpoint_every_steps.")
-    time.sleep(0.05)
+# How long a save waits for the newest copy to be complete on every worker
+# before it may overwrite the slot of the one that is (else it is skipped).
+COMPLETE_WAIT_S = 1.0
 
 
 def make(layout: layout_lib.Layout, directory: str | None, every_steps, me, timeout: float,
@@ -97,13 +70,16 @@ class Held:
 
 
 class LocalTier:
-  """One worker's local copies: `<root>/worker-<index>/<name>-<step>`, each a whole checkpoint.
+  """One worker's local copies: two slot files in `<root>/worker-<index>/`, each copy committed by its record.
 
   Saves run in a thread of their own (`save`); one while the previous is
   still being written waits for it (the newest one only), so training never
-  waits for this tier.
-  What stays is decided by `generations.Generations`: the newest step
-  complete on every worker (copies and per-worker states), and newer ones.
+  waits for this tier. A save fills the slot that does not hold the newest
+  copy; the slot of the newest step complete on every worker
+  (`generations.Generations`: copies and per-worker states) is not
+  overwritten until a newer one is complete (a save waits a moment for
+  that, else it is skipped). The per-worker states a worker keeps of its
+  neighbour are files of their own (tfdp.checkpoint.replicas).
 
   Args:
     layout: this worker's local layout (`Layout.local(root, worker)`).
@@ -124,9 +100,11 @@ class LocalTier:
     self.cadence = cadence_lib.LocalCadence(every_steps, overhead, me)
     self.token = ""
     self.skipped = 0
-    # step -> manifest of this worker's committed copies (None: unread); the
-    # writer thread, the side channel's and the caller's use it under `_lock`.
+    # step -> manifest of this worker's committed copies; the writer thread,
+    # the side channel's and the caller's use it under `_lock`.
     self._copies = {}
+    self.slots = [slots_lib.Slot(layout.slot(k)) for k in range(slots_lib.COUNT)]
+    self._sequence = 0
     self._lock = threading.RLock()
     self.generations = generations.Generations(me.count)
     self.replicas = replicas_lib.Replicas(layout.directory, layout.name)
@@ -169,8 +147,22 @@ class LocalTier:
     fs.makedirs(self.layout.directory)
     copies.cleanup(self.layout, session)
     self.replicas.cleanup()
+    found = {}
+    for step in copies.committed(self.layout):
+      man = manifest_lib.read_manifest(self.layout.prefix(step))
+      k = None if man is None else copies.slot_index(self.layout, man)
+      if k is None:
+        copies.delete(self.layout, self.layout.prefix(step))  # Torn, or not a slot copy.
+        continue
+      found.setdefault(k, []).append((man.sequence, step, man))
     with self._lock:
-      self._copies = dict.fromkeys(copies.committed(self.layout))
+      self._copies = {}
+      for records in found.values():
+        records.sort(key=lambda r: r[:2])
+        for _, step, _ in records[:-1]:  # The slot was filled again after them.
+          copies.delete(self.layout, self.layout.prefix(step))
+        self._sequence = max(self._sequence, records[-1][0])
+        self._copies[records[-1][1]] = records[-1][2]
     if self.num_workers == 1:
       self.replicas.drop()  # Of an earlier job of several workers.
 
@@ -235,11 +227,21 @@ class LocalTier:
       stale = step in self._copies
     if stale:  # An earlier attempt's copy of this number never stands in for this save.
       self.delete(prefix)
-    man = copies.write(prefix, items, self._base(meta), self.worker)
+    k = self._free_slot()
+    if k is None:
+      with self._lock:
+        self.skipped += 1
+      return
+    root = layout_lib.per_worker_prefix(self.worker)
+    own = [it for it in items if it.key.startswith(root)]
+    with self._lock:
+      self._sequence += 1
+      sequence = self._sequence
+    man = copies.write(self.slots[k], prefix, items, self._base(meta), self.worker, sequence)
     with self._lock:
       self._copies[step] = man
     if self.link is not None:
-      sent = self._replicate(step, items)
+      sent = self._replicate(step, own)
       if sent is False:  # Not kept by the neighbour: this worker's part is not done.
         self.prune()
         return
@@ -247,6 +249,26 @@ class LocalTier:
       self.link.report_done(step, skip=(self.link.neighbour,) if sent else ())
     self.generations.done(self.worker, step)
     self.prune()
+
+  def _free_slot(self, wait: bool = True) -> int | None:
+    """The slot a new copy may fill, its record deleted (None: none may be, now).
+
+    Never the newest copy's. The other's copy is let go unless it is the
+    newest step complete on every worker and the newest is not complete
+    yet: then this waits up to COMPLETE_WAIT_S for that.
+    """
+    with self._lock:
+      by_slot = {copies.slot_index(self.layout, m): s for s, m in self._copies.items()}
+    free = [k for k in range(slots_lib.COUNT) if k not in by_slot]
+    if free:
+      return free[0]
+    newest = max(by_slot.values())
+    k, older = next((k, s) for k, s in by_slot.items() if s != newest)
+    if older == self.generations.floor and not (
+        wait and self.generations.wait_complete(newest, COMPLETE_WAIT_S)):
+      return None
+    self.delete(self.layout.prefix(older))
+    return k
 
   @property
   def costs(self) -> list[tuple[float, float]]:
@@ -258,11 +280,10 @@ class LocalTier:
     return manifest_lib.Manifest(**dataclasses.asdict(meta), world_size=self.num_workers,
                                  session=self._session, writers={str(self.worker): {"files": 1}})
 
-  def _replicate(self, step, items) -> bool | None:
-    """Sends this worker's per-worker state at `step` to its neighbour: acknowledged (None: it has none)."""
+  def _replicate(self, step, own) -> bool | None:
+    """Sends this worker's per-worker Items at `step` to its neighbour: acknowledged (None: it has none)."""
     root = layout_lib.per_worker_prefix(self.worker)
-    own = {it.key[len(root):]: items_lib.writable(it.value) for it in items
-           if it.key.startswith(root)}
+    own = {it.key[len(root):]: items_lib.writable(it.value) for it in own}
     return self.link.replicate(step, own, self.token) if own else None
 
   def _keep_replica(self, source, step, header, blobs):
@@ -285,33 +306,46 @@ class LocalTier:
         out.append(step)
     return out
 
-  def files_of(self, held: Held) -> list[str]:
-    """The files of local copy `held` that a holder sends."""
-    return copies.files(held.prefix, held.manifest)
+  def send_of(self, held: Held) -> tuple[str, int]:
+    """(the slot file, its bytes) of local copy `held` that a holder sends."""
+    return copies.send(self.layout, held.manifest)
 
   def _incoming(self, step, manifest_json, sizes):
-    """Where the files of a copy a peer sends go (the side channel asks, before writing any)."""
-    return copies.incoming(self.layout, step, manifest_json, sizes)
+    """Where the bytes of a copy a peer sends go (the side channel asks, before it reads them).
 
-  def receive(self, step: int, offered: manifest_lib.Manifest, own: dict | None) -> Held:
-    """Makes a copy a peer sent (its files, already written here) this worker's copy of `step`.
+    The slot of no copy, or of the older one (its record deleted first),
+    once the offer is checked.
+    """
+    offer = copies.incoming(self.layout, None, step, manifest_json, sizes)
+    with self._lock:
+      if step in self._copies:
+        self.delete(self.layout.prefix(step))
+      k = self._free_slot(wait=False)
+      if k is None:  # The older copy is of the newest step complete everywhere: it goes too.
+        older = min(self._copies)
+        k = copies.slot_index(self.layout, self._copies[older])
+        self.delete(self.layout.prefix(older))
+      offer.slot = self.slots[k]
+      return offer
+
+  def receive(self, step: int, offered: copies.Incoming, own: dict | None) -> Held:
+    """Makes a copy a peer sent (its bytes received into a slot) this worker's copy of `step`.
 
     With `own` (this worker's per-worker tensors, kept by its neighbour), they
-    are merged in, as a save would have held them.
+    are added after it, as a save would have held them.
     """
     root = layout_lib.per_worker_prefix(self.worker)
-    items = [planner.Item(root + k, "", v, items_lib.nbytes(v))
-             for k, v in sorted((own or {}).items())]
-    base = self._base(manifest_lib.SaveMeta(offered.checkpoint_number, offered.step))
-    self.delete(self.layout.prefix(step))
-    man = copies.adopt(self.layout, step, offered, items, base, self.worker)
+    items = [planner.Item(root + k, "", v, 0) for k, v in sorted((own or {}).items())]
+    base = self._base(manifest_lib.SaveMeta(offered.manifest.checkpoint_number,
+                                            offered.manifest.step))
+    with self._lock:
+      self._sequence += 1
+      sequence = self._sequence
+    man = copies.adopt(offered.slot, self.layout.prefix(step), offered, items, base,
+                       self.worker, sequence)
     with self._lock:
       self._copies[step] = man
-    self.prune()
     return Held(step, self.layout.prefix(step), man)
-
-  def discard_incoming(self, step: int) -> None:
-    copies.discard_incoming(self.layout, step)
 
   def wait(self) -> None:
     """Waits for the background save; a failed one is logged (training goes on)."""
@@ -331,9 +365,9 @@ class LocalTier:
   def held(self) -> list[Held]:
     """This worker's intact local checkpoints of this run, newest first.
 
-    Sizes are checked against each manifest (TF checks every tensor's CRC32C
-    when it reads); one of another run, another world size or with damaged
-    files is deleted, with a warning.
+    Each record and its slot's size are checked (every tensor's CRC32C is
+    checked when a copy is restored); one of another run, another world
+    size or damaged is deleted, with a warning.
     """
     out = []
     for prefix in reversed(self.committed()):
@@ -347,7 +381,7 @@ class LocalTier:
         problem = f"saved by a job of {man.world_size} workers, this one has {self.num_workers}"
       else:
         try:
-          copies.check(prefix, man)
+          copies.check(self.layout, prefix, man)
         except errors.CorruptCheckpointError as e:
           problem = str(e)
       if problem is not None:
@@ -355,16 +389,14 @@ class LocalTier:
           logging.warning("tfdp: deleting local checkpoint %s: %s", prefix, problem)
         self.delete(prefix)
         continue
-      with self._lock:
-        if layout_lib.number_of(prefix) in self._copies:
-          self._copies[layout_lib.number_of(prefix)] = man
       out.append(Held(man.step, prefix, man))
     return out
 
   def delete(self, prefix: str) -> None:
     """Deletes local copy `prefix`: its manifest first, so a crash leaves no committed half."""
     with self._lock:
-      copies.delete(self.layout, prefix, self._copies.pop(layout_lib.number_of(prefix), None))
+      self._copies.pop(layout_lib.number_of(prefix), None)
+      copies.delete(self.layout, prefix)
 
   def prune(self) -> None:
     """Lets go of the copies and kept states that `generations` no longer needs."""
@@ -438,11 +470,17 @@ class LocalTier:
     self.wait()
     if self.link is not None:
       self.link.close()
+    for slot in self.slots:
+      slot.close()
 
   def drop(self) -> None:
-    """Deletes every local checkpoint (e.g. once training completed and the persistent tier has the end)."""
+    """Deletes every local checkpoint and the slots (e.g. once training completed and the persistent tier has the end)."""
     self.wait()
     for prefix in self.committed():
       self.delete(prefix)
+    for slot in self.slots:
+      slot.close()
+      if os.path.exists(slot.path):
+        os.remove(slot.path)
     self.replicas.drop()
     self.clear_recovery()

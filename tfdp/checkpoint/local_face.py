@@ -14,12 +14,13 @@ class LocalFace:
   """The local-tier part of `tfdp.CheckpointManager`'s API (a mixin: the manager owns `_local`).
 
   The manager sets `_local` (a `tfdp.checkpoint.local.LocalTier` or None) and
-  `_step_counter`, and gives `_local_items()` (what a copy holds) and
+  `_step_counter`, and gives `_local_items(step)` (what a copy holds) and
   `_local_meta(step)` (its SaveMeta).
   """
 
   _local = None
   _step_counter = None
+  _taken = None
 
   # The local tier (None, 0 and [] without one).
   local_checkpoint_every_steps = _local_property(
@@ -40,7 +41,10 @@ class LocalFace:
 
   def local_due(self, step: int) -> bool:
     """Whether the training loop saves locally after `step`; every worker asks at every step."""
-    return self._local is not None and self._local.due(step)
+    due = self._local is not None and self._local.due(step)
+    if not due:
+      self._taken = None  # No local save of this step: the snapshot goes.
+    return due
 
   def local_checkpoints(self) -> list[str]:
     """Prefixes of this worker's committed local checkpoints, oldest first."""
@@ -49,8 +53,9 @@ class LocalFace:
   def save_local(self, step: int | None = None) -> str:
     """Saves a whole copy of the state to this worker's local tier, in the background.
 
-    It blocks only to take the state (a host snapshot, as an async save);
-    the copy is written in the background, its per-worker state sent to the
+    It blocks only to take the state (a host snapshot, as an async save;
+    at the step of a persistent save, that save's); the copy is written
+    into a slot in the background, its per-worker state sent to the
     neighbour. A save while the previous one is still being written waits
     for it, in place of any save waiting already (counted in
     `local_saves_skipped`); a failed local save is logged, and training goes on.
@@ -73,7 +78,7 @@ class LocalFace:
         raise errors.ConfigError("save_local() needs step= or the manager's step_counter.")
       step = self._step_counter
     step = items_lib.number(step)
-    return self._local.save(step, self._local_items, lambda: self._local_meta(step))
+    return self._local.save(step, lambda: self._local_items(step), lambda: self._local_meta(step))
 
   def drop_local(self) -> None:
     """Deletes this worker's local copies (e.g. once training completed and the persistent tier has the end)."""

@@ -154,6 +154,7 @@ class CheckpointManager(local_face.LocalFace):
     self._seq = 0
     self._uncommitted_count = None  # save_counter before a save not yet committed.
     self._gather = items_lib.CachedGather(checkpoint)
+    self._taken = None  # (step, Items) a persistent save took, for the local save of its step.
     self._local = local_lib.make(self._layout, local_checkpoint_dir,
                                  local_checkpoint_every_steps, self._me, self._timeout,
                                  checkpoint_overhead)
@@ -233,7 +234,7 @@ class CheckpointManager(local_face.LocalFace):
     number, prefix = self._next_number(checkpoint_number)
     meta = self._meta(number, number if step is None else step, metrics)
     sweep = self._catalog.plan(prefix, number, meta.metrics, self._keep, self._hours)
-    files = self._plan()
+    files = self._plan(meta.step)
     if self._me.is_chief:
       self._lease.ensure()  # Released by close().
     self._seq += 1
@@ -392,17 +393,27 @@ class CheckpointManager(local_face.LocalFace):
     self._uncommitted_count = before
     return number, prefix
 
-  def _local_items(self):
-    """What a local copy holds: the state, taken in one traced call, and this worker's per-worker state."""
+  def _local_items(self, step):
+    """What a local copy holds: the state, taken in one traced call, and this worker's per-worker state.
+
+    At the step of a persistent save, what that save took (one snapshot,
+    one data position for both tiers).
+    """
+    taken, self._taken = self._taken, None
+    if taken is not None and taken[0] == step:
+      return taken[1]
     return self._gather() + self._per_worker.items()
 
-  def _plan(self):
+  def _plan(self, step):
     """This worker's files of the save: a host snapshot of its part when async."""
     items = items_lib.gather(self._checkpoint)
     self._gather.check(items)
+    own = self._per_worker.items()
     plan = planner.plan_save(items, self._me.count, max_shard_bytes=self._max_shard_bytes,
-                             local_items={self._me.index: self._per_worker.items()})
+                             local_items={self._me.index: own})
     files = plan.for_worker(self._me.index)
+    if self._local is not None:  # Until the local save of this step, or the next step's.
+      self._taken = (step, items + own)
     return [items_lib.snapshot(f) for f in files] if self._async else files
 
   def _wait(self, run=None):

@@ -1,11 +1,13 @@
-"""The typed checkpoint manifest (the commit record), its JSON form, and verification against it.
+"""The typed checkpoint manifest (the commit record of both tiers), its JSON form, and verification against it.
 
-Integrity of the bytes: the `.index` file has a CRC-32 in the manifest; each
-data file lists its tensors, whose CRC32C TensorFlow's BundleWriter stores in
-the index as it writes them and its reader checks on every read (restore
-included). A data file is therefore never read back to checksum it at save
-time. Version-1 manifests (CRC-32 of every file) and version-2 ones are still
-read and verified.
+Integrity of the bytes: in a persistent checkpoint the `.index` file has a
+CRC-32 in the manifest, and each data file lists its tensors, whose CRC32C
+TensorFlow's BundleWriter stores in the index as it writes them and its
+reader checks on every read (restore included), so a data file is never read
+back at save time. A local copy is one raw slot file (tfdp.checkpoint.slots)
+whose record lists every tensor: its key, dtype, shape, offset, size and
+CRC32C, and the copy's sequence number. Version-1 to 3 manifests are still
+read.
 """
 
 import dataclasses
@@ -21,12 +23,38 @@ from tfdp.checkpoint import fs
 from tfdp.checkpoint import layout
 
 # Format of the manifest; bump on incompatible changes.
-MANIFEST_VERSION = 3
+MANIFEST_VERSION = 4
 FORMAT = "tfdp-checkpoint"
 # A checksum that detects flipped bytes and truncation, which is what a
 # manifest is for (not tampering), and costs less than the write it protects.
 CHECKSUM = "crc32"
 _READ_CHUNK = 16 << 20
+
+
+@dataclasses.dataclass
+class SlotTensor:
+  """One tensor of a local copy's slot file: where its bytes are, and their CRC32C.
+
+  Strings are stored as TensorFlow's tensor bundles store them (varint
+  lengths, their masked CRC32C, the bytes), and `crc32c` is the one TF's
+  reader checks, so a TF index can describe the slot (tfdp.checkpoint.bundle).
+  """
+  key: str
+  dtype: str  # A TF dtype name, e.g. "float32", "string".
+  shape: list[int]
+  offset: int
+  size: int
+  crc32c: int  # Unmasked.
+
+  def to_list(self) -> list:
+    return [self.key, self.dtype, list(self.shape), self.offset, self.size, self.crc32c]
+
+  @classmethod
+  def from_list(cls, row) -> "SlotTensor":
+    """The inverse of `to_list` (types are checked by tfdp.checkpoint.slots.check_entries)."""
+    if not isinstance(row, list) or len(row) != 6:
+      raise ValueError(f"not a slot tensor record: {str(row)[:80]}")
+    return cls(*row)
 
 
 @dataclasses.dataclass
@@ -36,10 +64,25 @@ class FileRecord:
   size: int
   crc32: str | None = None  # The index (and every file of a v1 manifest).
   tensors: list[str] | None = None  # A data file: keys whose CRC32C TF keeps.
+  entries: list[SlotTensor] | None = None  # A local copy's slot file (its used bytes: `size`).
 
   def to_dict(self) -> dict:
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None}
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+           if getattr(self, f.name) is not None}
+    if self.entries is not None:
+      out["entries"] = [e.to_list() for e in self.entries]
+    return out
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "FileRecord":
+    if not isinstance(d, dict):
+      raise ValueError("a file record that is not an object")
+    kw = {k: v for k, v in d.items() if k in ("name", "size", "crc32", "tensors")}
+    if d.get("entries") is not None:
+      if not isinstance(d["entries"], list):
+        raise ValueError("slot entries that are not a list")
+      kw["entries"] = [SlotTensor.from_list(e) for e in d["entries"]]
+    return cls(**kw)
 
 
 @dataclasses.dataclass
@@ -87,7 +130,15 @@ class Manifest(SaveMeta):
   # Basenames the manager keeps after this save (decided before it started),
   # so every worker lists the same checkpoints.
   kept: list[str] = dataclasses.field(default_factory=list)
+  # A local copy: this worker's count of its copies, so of two records that
+  # name the same slot only the newer can describe its bytes.
+  sequence: int = 0
   manifest_version: int = MANIFEST_VERSION
+
+  @property
+  def slot(self) -> FileRecord | None:
+    """The slot file of a local copy (None: a checkpoint of TF bundles)."""
+    return self.files[0] if len(self.files) == 1 and self.files[0].entries is not None else None
 
   def to_json(self) -> str:
     # Shallow (no deep copy of every tensor key, as dataclasses.asdict makes):
@@ -115,9 +166,9 @@ class Manifest(SaveMeta):
           f"reads up to {MANIFEST_VERSION}); upgrade tfdp.")
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in d.items() if k in fields}
-    kwargs["files"] = [FileRecord(**{k: v for k, v in f.items()
-                                     if k in ("name", "size", "crc32", "tensors")})
-                       for f in d["files"]]
+    if not isinstance(d["files"], list):
+      raise ValueError("files that are not a list")
+    kwargs["files"] = [FileRecord.from_dict(f) for f in d["files"]]
     kwargs.setdefault("checkpoint_number", layout.number_of(d["prefix"]))
     kwargs.setdefault("step", kwargs["checkpoint_number"])
     kwargs["metrics"] = kwargs.get("metrics") or {}
@@ -205,6 +256,10 @@ def check_files(prefix: str, manifest: Manifest | None = None,
       problems.append(f"{path}: missing")
       continue
     size = fs.size(path)
+    if entry.entries is not None:  # A slot: preallocated, its copy the first `entry.size` bytes.
+      if size < entry.size:
+        problems.append(f"{path}: size {size} bytes, the copy needs {entry.size} (truncated)")
+      continue
     if size != entry.size:
       problems.append(f"{path}: size {size} bytes, manifest says "
                       f"{entry.size} (truncated or overwritten)")

@@ -8,7 +8,9 @@ Two uses, both moving bytes once:
   worker tells the others its part of the step is done: a step done by
   every worker is complete everywhere (tfdp.checkpoint.generations);
 - at a restore where a worker lost its local copy, a holder sends it the
-  copy's files, and its neighbour its per-worker state.
+  copy's record and slot (sendfile), which land in a slot of the receiver
+  with every tensor's CRC32C checked as its bytes arrive, and its
+  neighbour sends it its per-worker state.
 
 The link listens on this worker's own address only. Every connection is
 authenticated with the job's secret before a frame is read, every header
@@ -18,7 +20,6 @@ the worker expected to send it. Anything else is dropped, logged once per
 kind of problem, and nothing is written.
 """
 
-import os
 import socket
 import threading
 import time
@@ -34,10 +35,9 @@ _ACK_TIMEOUT_S = 10.0  # A neighbour that does not acknowledge a per-worker stat
 _RETRY_S = 10.0  # After a failed send, that worker is tried again this much later.
 START_S = 20.0  # A restore's sender must start sending within this, after the agreement.
 STALL_S = 10.0  # A transfer that moves no byte for this long has failed (a dead host).
-_CHUNK = 4 << 20  # A received file is written as it arrives, this much at a time.
 # With 2 ** 36 (64 GiB) a per-worker state is absurd: a header asking more is dropped.
 MAX_PER_WORKER_BYTES = 1 << 36
-TRANSFER_FAULT = "during_transfer"  # A fault point: a copy's first file is sent.
+TRANSFER_FAULT = "during_transfer"  # A fault point: half of a copy's bytes are sent.
 
 
 def max_connections(num_workers: int) -> int:
@@ -101,8 +101,9 @@ class PeerLink:
     on_replica: `fn(source, step, header, blobs)` keeps a neighbour's
       per-worker state (raises wire.Refused to drop it).
     on_done: `fn(worker, step)`: that worker's part of `step` is done.
-    incoming: `fn(step, manifest_json, sizes)` -> (manifest, paths) of a
-      copy a peer offers at a restore, or raises wire.Refused.
+    incoming: `fn(step, manifest_json, sizes)` -> the checked offer
+      (tfdp.checkpoint.copies.Incoming) of a copy a peer offers at a
+      restore, or raises wire.Refused.
   """
 
   def __init__(self, me, secret: bytes, directory: str, *, on_replica, on_done, incoming):
@@ -230,10 +231,10 @@ class PeerLink:
       raise wire.Refused(f"an unexpected {kind} of step {step} from worker {sender}", "unexpected")
     try:
       if kind == wire.COPY:
-        man, paths = self._incoming(step, header["manifest"], sizes)
+        offer = self._incoming(step, header["manifest"], sizes)
         self._check_space(sum(sizes))
-        _spool(conn, paths, sizes)
-        expected.finish((header, man, paths))
+        offer.receive(conn)
+        expected.finish((header, offer))
       else:
         if sum(sizes) > MAX_PER_WORKER_BYTES:
           raise wire.Refused(f"a per-worker state of {sum(sizes)} bytes", "size")
@@ -255,7 +256,7 @@ class PeerLink:
       self._expected.pop(key, None)
 
   def wait(self, key: tuple, start_timeout: float = START_S):
-    """The message registered by `expect`: (header, manifest, paths) of a copy, (header, blobs) else.
+    """The message registered by `expect`: (header, the received offer) of a copy, (header, blobs) else.
 
     A sender that does not start within `start_timeout`, or that stops
     sending for STALL_S, has failed: a dead holder is seen in seconds.
@@ -290,13 +291,13 @@ class PeerLink:
       raise
     return sock
 
-  def send_copy(self, to: int, step: int, manifest_json: str, paths) -> None:
-    """Sends a local copy's files to worker `to` on a connection of its own (a restore)."""
+  def send_copy(self, to: int, step: int, manifest_json: str, path: str, size: int) -> None:
+    """Sends a local copy (its record, then `size` bytes of its slot `path`) to worker `to` (a restore)."""
     header = {"kind": wire.COPY, "step": step, "from": self._me.index, "manifest": manifest_json}
     with self._connect(to) as sock:
       sock.settimeout(STALL_S)
-      wire.send_files(sock, header, paths,
-                      after_first=lambda: faults.reached(TRANSFER_FAULT, self._me.index))
+      wire.send_file(sock, header, path, size,
+                     halfway=lambda: faults.reached(TRANSFER_FAULT, self._me.index))
 
   def send_state(self, to: int, step: int, keys, token: str, blobs) -> None:
     """Sends worker `to` its own per-worker state at `step`, which this worker kept (a restore)."""
@@ -403,28 +404,3 @@ class PeerLink:
                       "message(s) that were not of this job or not well formed.",
                       self.refusals.count)
 
-
-def _spool(conn, paths, sizes):
-  """Writes a copy's files as they arrive; removes them all when the transfer is cut short."""
-  chunk = bytearray(_CHUNK)
-  view = memoryview(chunk)
-  try:
-    for path, size in zip(paths, sizes):
-      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-      try:
-        left = size
-        while left:
-          k = conn.recv_into(view[:min(left, _CHUNK)])
-          if not k:
-            raise ConnectionError("the sender stopped in the middle of the copy")
-          os.write(fd, view[:k])
-          left -= k
-      finally:
-        os.close(fd)
-  except BaseException:
-    for path in paths:
-      try:
-        os.remove(path)
-      except OSError:
-        pass
-    raise

@@ -8,6 +8,7 @@ import numpy as np
 
 from tfdp import cluster
 from tfdp import errors
+from tfdp.checkpoint import copies
 from tfdp.checkpoint import generations
 from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import restore as restore_lib
@@ -139,8 +140,8 @@ class TieredRestore:
      by all ("local"), or held by some and recoverable ("peer"), else the
      persistent tier;
   3. the holders restore their own copy; after one all-reduce of their
-     outcome, the first holder sends each worker without one the copy's
-     files, and its neighbour its per-worker state, over the side channel
+     outcome, the first holder sends each worker without one the copy
+     (its record and slot), and its neighbour its per-worker state, over the side channel
      (tfdp.checkpoint.peers); that worker makes them its own local copy
      (`LocalTier.receive`) and restores it;
   4. one all-reduce of every worker's outcome: any failure (a damaged copy,
@@ -157,8 +158,8 @@ class TieredRestore:
     checkpoint: the `tf.train.Checkpoint` to restore into.
     tier: this worker's `LocalTier` (with its side channel when N > 1).
     me: this worker (`tfdp.cluster.Worker`, with its strategy).
-    restore_per_worker: `fn(prefix, manifest)` restoring this worker's own
-      per-worker state from a copy.
+    restore_per_worker: `fn(prefix, manifest, reader)` restoring this worker's
+      own per-worker state from a copy's tensors.
   """
 
   def __init__(self, checkpoint, tier: local_lib.LocalTier, me: cluster.Worker,
@@ -231,7 +232,7 @@ class TieredRestore:
     try:
       if me == choice.holders[0]:
         for w in missing:
-          link.send_copy(w, choice.step, mine.manifest.to_json(), tier.files_of(mine))
+          link.send_copy(w, choice.step, mine.manifest.to_json(), *tier.send_of(mine))
       if choice.per_worker:
         for w in missing:
           if (w + 1) % n == me:
@@ -240,7 +241,7 @@ class TieredRestore:
       if not waits:
         return OK
       start = time.perf_counter()
-      _, offered, _ = link.wait(waits[0])
+      _, offered = link.wait(waits[0])
       own = None
       if choice.per_worker:
         header, blobs = link.wait(waits[1])
@@ -254,22 +255,35 @@ class TieredRestore:
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("tfdp: the peer recovery of step %d failed on this worker: %s",
                       choice.step, e)
-      tier.discard_incoming(choice.step)
       return FAILED
 
   def _restore(self, held, before_restore, per_worker=True):
-    """Restores one local copy; returns OK, FAILED or REFUSED (before_restore raised)."""
+    """Restores one local copy; returns OK, FAILED or REFUSED (before_restore raised).
+
+    Every tensor's CRC32C is checked before anything is assigned: a damaged
+    copy changes nothing. TF can read the copy from here on (for
+    `before_restore`'s checks and what reads the restored copy after).
+    """
+    layout = self._tier.layout
+    try:
+      copies.readable(layout, held.prefix, held.manifest)
+    except (OSError, TypeError, ValueError) as e:
+      logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)
+      return FAILED
     if before_restore is not None:
       try:
         before_restore(held.prefix)
       except Exception as e:  # pylint: disable=broad-except
         self._refusal = e
         return REFUSED
-    try:
+
+    def applying():
       self.applied = True  # From here on the state may be changed, even if it fails.
-      restore_lib.restore_verified(self._checkpoint, held.prefix, held.manifest)
+
+    try:
+      tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying)
       if per_worker:
-        self._restore_per_worker(held.prefix, held.manifest)
+        self._restore_per_worker(held.prefix, held.manifest, copies.per_worker_reader(tensors))
       return OK
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)

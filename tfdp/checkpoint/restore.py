@@ -89,9 +89,17 @@ def load_per_worker(path: str) -> dict:
 
 
 def restore_per_worker(per_worker_ckpt: tf.train.Checkpoint, prefix: str,
-                       worker: int, man: manifest_lib.Manifest | None) -> None:
-  """Restores worker `worker`'s own per-worker state from `prefix` (see CheckpointManager)."""
-  reader = tf.train.load_checkpoint(prefix)
+                       worker: int, man: manifest_lib.Manifest | None, reader=None) -> None:
+  """Restores worker `worker`'s own per-worker state from `prefix` (see CheckpointManager).
+
+  Args:
+    per_worker_ckpt: the per-worker state's checkpoint.
+    prefix: the checkpoint.
+    worker: whose state.
+    man: its manifest, or None.
+    reader: what reads its tensors (`has_tensor`, `get_tensor`; default: TF's reader of `prefix`).
+  """
+  reader = reader or tf.train.load_checkpoint(prefix)
   root = layout_lib.per_worker_prefix(worker)
   serialized, _, _, _ = per_worker_ckpt._saver._gather_serialized_tensors(None)  # pylint: disable=protected-access
   missing = []
@@ -190,10 +198,10 @@ class Restorer:
     self.restore_per_worker(prefix, man)
     return status, man
 
-  def restore_per_worker(self, prefix: str, man) -> None:
+  def restore_per_worker(self, prefix: str, man, reader=None) -> None:
     """This worker's own per-worker state from `prefix` (nothing when there is none)."""
     if self._per_worker is not None:
-      restore_per_worker(self._per_worker, prefix, self._me.index, man)
+      restore_per_worker(self._per_worker, prefix, self._me.index, man, reader)
 
   def newest_intact(self, before_restore=None, tried: list | None = None) -> Restored | None:
     """Restores the newest checkpoint every worker can restore, agreed by all; None when there is none.

@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import re
+import time
 import uuid
 
 from tfdp import cluster
@@ -10,10 +11,39 @@ from tfdp import errors
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import lease as lease_lib
-from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import storage
 
 RUN_ID_ENV = "TFDP_RUN_ID"
+
+
+def ensure_token(layout: layout_lib.Layout) -> str:
+  """The persistent directory's run token, made by the chief when the directory has none.
+
+  Local checkpoints record it: when the persistent directory is emptied or
+  replaced (a new run in the same place), it gets a new token and the local
+  copies of the old run, which may still sit in host memory, are ignored.
+  """
+  found = fs.read_json(layout.tiers_path)
+  if found is not None:
+    return found["token"]
+  token = uuid.uuid4().hex
+  fs.write_json_atomic(layout.tiers_path, {"token": token, "time": time.time()})
+  return token
+
+
+def read_token(layout: layout_lib.Layout, timeout: float) -> str:
+  """The run token the chief made (see ensure_token), waiting up to `timeout` seconds."""
+  deadline = time.monotonic() + timeout
+  while True:
+    found = fs.read_json(layout.tiers_path)
+    if found is not None:
+      return found["token"]
+    if time.monotonic() > deadline:
+      raise errors.CheckpointError(
+          f"{layout.tiers_path} did not appear within {timeout:.0f}s: the chief "
+          "did not start its checkpoint manager with the local tier. Every "
+          "worker must pass the same local_checkpoint_every_steps.")
+    time.sleep(0.05)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +108,7 @@ def start(me: cluster.Worker, layout: layout_lib.Layout, run_id: str | None,
       lease = lease_lib.acquire(layout.lease_path, session, layout.directory)
       storage.cleanup(layout, session)
       if tiers:
-        token = local_lib.ensure_token(layout)
+        token = ensure_token(layout)
     except Exception:
       if nonce is not None:  # The other workers wait in the agreement: 0 fails them too.
         cluster.agree(0, "max", me.strategy)
@@ -96,5 +126,5 @@ def start(me: cluster.Worker, layout: layout_lib.Layout, run_id: str | None,
   if not me.is_chief:
     lease_lib.check(layout.lease_path, session, layout.directory, timeout)
     if tiers:
-      token = local_lib.read_token(layout, timeout)
+      token = read_token(layout, timeout)
   return Session(session, lease, token)

@@ -14,7 +14,6 @@ before anything acts on it, and no path is ever made from a header.
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import struct
 
@@ -35,7 +34,6 @@ MAX_BLOBS = 4096
 MAX_KEY_CHARS = 4096
 MAX_TOKEN_CHARS = 128
 MAX_STEP = 2 ** 53
-MAX_FILES = 64  # Data files of one local copy.
 
 # Kinds of frames and the fields each may have (besides kind, from, step, sizes).
 PER_WORKER, ACK, DONE, COPY, PER_WORKER_COPY = (
@@ -44,7 +42,7 @@ _FIELDS = {
     PER_WORKER: {"keys", "token", "world_size"},  # a neighbour's state after a local save
     ACK: set(),  # kept: the answer to PER_WORKER
     DONE: set(),  # a worker's part of a step is everywhere (to the others)
-    COPY: {"manifest"},  # a whole local copy's files, at a restore
+    COPY: {"manifest"},  # a whole local copy (its record, its slot's bytes), at a restore
     PER_WORKER_COPY: {"keys", "token"},  # a worker's own state, sent back by its neighbour
 }
 KINDS = tuple(_FIELDS)
@@ -137,23 +135,25 @@ def send(sock, header: dict, blobs=()) -> None:
     sock.sendall(part)
 
 
-def send_files(sock, header: dict, paths, after_first=None) -> None:
-  """A message whose blobs are files, sent by the kernel (sendfile), not read into memory.
+def send_file(sock, header: dict, path: str, size: int, halfway=None) -> None:
+  """A message whose one blob is the first `size` bytes of a file, sent by the kernel (sendfile).
 
   Args:
     sock: the authenticated socket.
-    header: the header (its `sizes` are the files').
-    paths: the files.
-    after_first: called once the first file is sent (a fault point of the tests).
+    header: the header (its `sizes` are [size]).
+    path: the file (a local copy's slot).
+    size: its bytes to send.
+    halfway: called once half of them are sent (a fault point of the tests).
   """
-  sizes = [os.path.getsize(p) for p in paths]
-  head = json.dumps(dict(header, sizes=sizes)).encode()
+  head = json.dumps(dict(header, sizes=[size])).encode()
   sock.sendall(struct.pack("<Q", len(head)) + head)
-  for i, path in enumerate(paths):
-    with open(path, "rb") as f:
-      sock.sendfile(f)
-    if i == 0 and after_first is not None:
-      after_first()
+  with open(path, "rb") as f:
+    if sock.sendfile(f, 0, size // 2) != size // 2:
+      raise ConnectionError(f"{path} is shorter than {size} bytes")
+    if halfway is not None:
+      halfway()
+    if sock.sendfile(f, size // 2, size - size // 2) != size - size // 2:
+      raise ConnectionError(f"{path} is shorter than {size} bytes")
 
 
 def read_header(sock) -> dict | None:
@@ -223,8 +223,8 @@ def check_header(header: dict, sender: int, num_workers: int) -> None:
   if kind == COPY:
     if not isinstance(header.get("manifest"), str):
       raise Refused(f"{kind}: no manifest")
-    if not 2 <= len(sizes) <= MAX_FILES + 1:
-      raise Refused(f"{kind}: {len(sizes)} files")
+    if len(sizes) != 1:
+      raise Refused(f"{kind}: {len(sizes)} blobs, a copy is one slot's bytes")
 
 
 # -- tensors --
