@@ -7,20 +7,21 @@ iterator of a tf.data pipeline with a shuffle buffer, as per-worker state):
   blocked     wall time the training thread spends in the save call
               (median over --saves saves, a training update between them),
               beside a memcpy of the same bytes into a reused buffer;
-  in the      what the training update right after a save costs more than
-  next step   one without a save in flight: TF copies a variable's buffer
-              before updating it while the writer still holds an alias of
-              it (copy-on-write). An explicit copy into the slot in the
-              step would cost the memcpy instead;
+  next        what the training update --step_ms after a save costs more
+  update      than one without a save in flight: TF copies a variable's
+              buffer before updating it while the writer still holds an
+              alias of it (copy-on-write). An explicit copy into the slot in
+              the step would cost the memcpy instead;
   writer CPU  the CPU time of the writer thread per save (its thread clock;
               TF's SaveV2 runs on the calling thread), beside the local
               tier's floor, a memcpy plus google-crc32c over the same bytes
               (goal: at most 1.5x), and beside the CPU of a raw write of
               the same bytes (one `os.writev` + fsync);
-  memory      the peak resident memory the saves add (VmHWM after the saves
-              minus before, /proc/self/clear_refs resets it; a local save's
-              two mapped slots count), beside the state's bytes (goal: at
-              most 2x).
+  memory      the memory the saves hold: a local save's two slots (mapped
+              shared memory) plus what the measured saves add to the peak
+              resident memory (VmHWM after them minus before, after two
+              warm-up saves; /proc/self/clear_refs resets it), beside the
+              state's bytes (goal: at most 2x).
 
 Run: .venv/bin/python scripts/bench_save.py [--mb=16] [--data_position] [--out=FILE]
 """
@@ -49,6 +50,8 @@ flags.DEFINE_string("dir", None, "Persistent tier (default: a temp dir on the di
 flags.DEFINE_string("local_root", "/dev/shm", "Local tier (RAM-backed).")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_bool("smoke", False, "Tiny sizes, few saves (tests: only checks it runs).")
+flags.DEFINE_float("step_ms", 15.0, "Time between a save and the next update (the rest of a "
+                   "training step: the user's setup's steps take 15-18 ms); 0: the update at once.")
 
 
 def _peak_rss_reset():
@@ -59,10 +62,10 @@ def _peak_rss_reset():
     pass
 
 
-def _peak_rss():
+def _status(field="VmHWM"):
   with open("/proc/self/status") as f:
     for line in f:
-      if line.startswith("VmHWM:"):
+      if line.startswith(field + ":"):
         return int(line.split()[1]) * 1024
   return 0
 
@@ -127,10 +130,11 @@ def _measure(kind, mb, base):
     step.assign_add(1)
 
   blocked, other_cpu, after, plain = [], [], [], []
-  _peak_rss_reset()
-  rss0 = _peak_rss()
-  state_bytes = 0
+  state_bytes, rss0 = 0, None
   for i in range(FLAGS.saves + 2):
+    if i == 2:  # After the warm-ups (first traces, the slots' mapping made).
+      _peak_rss_reset()
+      rss0 = _status()
     train_step()
     if position is not None:
       next(position.iterator)
@@ -140,8 +144,9 @@ def _measure(kind, mb, base):
     else:
       mgr.save(checkpoint_number=int(step.numpy()))
     took = time.perf_counter() - t
+    time.sleep(FLAGS.step_ms / 1e3)  # The rest of the step, while the writer works.
     t = time.perf_counter()
-    train_step()  # Training goes on while the writer works (copy-on-write).
+    train_step()  # An update while the writer may still hold aliases (copy-on-write).
     in_flight = time.perf_counter() - t
     mgr.sync()
     t = time.perf_counter()
@@ -153,7 +158,10 @@ def _measure(kind, mb, base):
       other_cpu.append(writer.cpu_seconds[-1] if kind != "sync" else 0.0)
       after.append(in_flight)
       plain.append(alone)
-  peak = _peak_rss() - rss0
+  # The local tier's two slots are mapped (shared memory, counted in RSS) from
+  # the first save on; the rest is what the saves added to the peak since.
+  shmem = _status("RssShmem")
+  peak = _status() - rss0 + shmem
   if kind == "local":
     from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
     state_bytes = manifest_lib.read_manifest(mgr.local_checkpoints()[-1]).state_bytes
@@ -163,7 +171,7 @@ def _measure(kind, mb, base):
     shutil.rmtree(local, ignore_errors=True)
   return {"blocked_s": bench_common.median(blocked), "writer_cpu_s": bench_common.median(other_cpu),
           "next_update_extra_s": bench_common.median(after) - bench_common.median(plain),
-          "peak_rss_delta": peak, "state_bytes": state_bytes}
+          "peak_rss_delta": peak, "slots_bytes": shmem, "state_bytes": state_bytes}
 
 
 def main(argv):

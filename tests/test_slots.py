@@ -190,3 +190,14 @@ def test_a_writer_killed_in_the_middle_of_a_fill_leaves_the_other_slot_to_restor
   names = sorted(os.listdir(tmp_path / "local" / "worker-0"))
   assert "ckpt-4.manifest.json" not in names and "ckpt-6.manifest.json" not in names, names
   manager.close()
+
+
+def test_device_tensors_go_to_host_buffers_reused_by_every_save():
+  """The GPU path's mechanism, run on CPU: one host variable per tensor, assigned at each save (no GPU here)."""
+  from tfdp.checkpoint import items as items_lib  # pylint: disable=g-import-not-at-top
+  mirrors = items_lib.HostMirrors()
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():  # A plain variable all the same.
+    first = mirrors(("k", ""), tf.constant([1.0, 2.0]))
+  second = mirrors(("k", ""), tf.constant([3.0, 4.0]))
+  assert len(mirrors._vars) == 1 and "CPU" in second.device  # pylint: disable=protected-access
+  assert first.numpy().tolist() == [1.0, 2.0] and second.numpy().tolist() == [3.0, 4.0]

@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.trackable import python_state
 from tensorflow.python.trackable import trackable_utils
@@ -234,22 +235,50 @@ def writable(value) -> tf.Tensor:
   return out
 
 
-def snapshot(items: list[Item]) -> list[Item]:
+class HostMirrors:
+  """Host buffers reused by every save for the tensors that live on a device (GPU), as TF's async checkpoint has.
+
+  One CPU variable per device tensor, made at the first save (outside any
+  strategy: a plain resource variable); each save assigns the tensor to it
+  (the device-to-host copy, into the same memory every time) and hands on
+  an alias of it. A save that comes while the writer still reads the
+  previous one's makes TF copy that buffer first (copy-on-write).
+  """
+
+  def __init__(self):
+    self._vars = {}
+
+  def __call__(self, key, value):
+    mirror = self._vars.get(key)
+    if mirror is None or mirror.dtype != value.dtype or mirror.shape != value.shape:
+      with tf.init_scope(), tf.device("/cpu:0"):
+        mirror = resource_variable_ops.UninitializedVariable(
+            shape=value.shape, dtype=value.dtype, trainable=False, name="tfdp_host_mirror")
+      self._vars[key] = mirror
+    mirror.assign(value)
+    return mirror.read_value()
+
+
+def snapshot(items: list[Item], mirrors: HostMirrors | None = None) -> list[Item]:
   """Snapshots the values of `items` in host memory so later updates don't leak in.
 
   A tensor already in host memory is kept as is: it is the result of a
   ReadVariableOp, an alias of the variable's buffer, and TF's update kernels
   (assign*, every optimizer apply) copy a variable's buffer before writing
   when a reader still holds it (copy-on-write), so it cannot change; the
-  writer lets it go as soon as its bytes are in the slot. Other tensors
-  (GPU/TPU) are copied to host memory once (a device-to-host copy into
-  memory TF allocates).
+  local tier's writer lets it go as soon as its bytes are in the slot.
+  Other tensors (GPU/TPU) are copied to host memory once: into `mirrors`
+  (reused) when given, else into memory TF allocates.
   """
   out = []
   for it in items:
     value = it.value
     if isinstance(value, tf.Tensor) and "CPU" in (value.device or "").upper():
       out.append(it)
+      continue
+    if mirrors is not None and isinstance(value, tf.Tensor) and value.dtype not in (
+        tf.string, tf.variant, tf.resource):
+      out.append(dataclasses.replace(it, value=mirrors((it.key, it.slice_spec), value)))
       continue
     if isinstance(value, tf.Tensor) and value.dtype not in (tf.string, tf.variant):
       value = value._numpy()  # pylint: disable=protected-access

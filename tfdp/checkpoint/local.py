@@ -104,6 +104,7 @@ class LocalTier:
     # the side channel's and the caller's use it under `_lock`.
     self._copies = {}
     self.slots = [slots_lib.Slot(layout.slot(k)) for k in range(slots_lib.COUNT)]
+    self._mirrors = items_lib.HostMirrors()  # Device tensors' host copies, reused.
     self._sequence = 0
     self._lock = threading.RLock()
     self.generations = generations.Generations(me.count)
@@ -195,7 +196,7 @@ class LocalTier:
     """
     start = time.perf_counter()
     prefix = self.layout.prefix(step)
-    items = items_lib.snapshot(take())
+    items = items_lib.snapshot(take(), self._mirrors)
     job = (step, prefix, items, meta())  # meta after take(): what it took decides some fields.
     self.cadence.note_blocked(time.perf_counter() - start)
     with self._lock:

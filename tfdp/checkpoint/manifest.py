@@ -259,6 +259,13 @@ def check_files(prefix: str, manifest: Manifest | None = None,
     if entry.entries is not None:  # A slot: preallocated, its copy the first `entry.size` bytes.
       if size < entry.size:
         problems.append(f"{path}: size {size} bytes, the copy needs {entry.size} (truncated)")
+      elif checksums:
+        from tfdp.checkpoint import slots  # pylint: disable=g-import-not-at-top  (it imports this module)
+        try:
+          slots.check_entries(entry.entries, entry.size)
+          slots.read(path, entry.entries, entry.size)
+        except (ValueError, errors.CorruptCheckpointError) as e:
+          problems.append(str(e))
       continue
     if size != entry.size:
       problems.append(f"{path}: size {size} bytes, manifest says "

@@ -11,6 +11,7 @@ masked CRC32C, the bytes), so a TF index can describe a slot
 (tfdp.checkpoint.bundle).
 """
 
+import collections
 import dataclasses
 import mmap
 import os
@@ -80,6 +81,33 @@ class _Source:
   value: object = None  # Kept: a fill may reuse the bytes of the same object.
 
 
+# String tensors made into bytes lately, by identity: a data position saved
+# against one iterator state for many saves is the same tensor each time
+# (tfdp.checkpoint.items.writable), made into bytes once.
+_strings_of = collections.OrderedDict()
+_strings_lock = threading.Lock()
+
+
+def _string_source(key, value, shape):
+  with _strings_lock:
+    hit = _strings_of.get(id(value))
+  if hit is not None and hit[0] is value:
+    return dataclasses.replace(hit[1], key=key)
+  raw = value.numpy() if isinstance(value, tf.Tensor) else value
+  values = [raw] if isinstance(raw, bytes) else list(np.ravel(raw))
+  if not values:
+    return _Source(key, "string", shape, 0, [], value=value)
+  head, crc = _string_head(values)
+  out = _Source(key, "string", shape, len(head) + sum(len(v) for v in values),
+                [np.frombuffer(v, np.uint8) for v in values], crc, head, value)
+  if isinstance(value, tf.Tensor):
+    with _strings_lock:
+      _strings_of[id(value)] = (value, out)  # Holds `value`, so its id stays its own.
+      while len(_strings_of) > 8:
+        _strings_of.popitem(last=False)
+  return out
+
+
 def source(key: str, value) -> _Source:
   """The bytes of `value` (a host tensor or array; strings as TF's bundles hold them), without a copy.
 
@@ -88,13 +116,7 @@ def source(key: str, value) -> _Source:
   dtype = tf.as_dtype(value.dtype)
   shape = [int(d) for d in value.shape]
   if dtype == tf.string:
-    raw = value.numpy() if isinstance(value, tf.Tensor) else value
-    values = [raw] if isinstance(raw, bytes) else list(np.ravel(raw))
-    if not values:
-      return _Source(key, "string", shape, 0, [], value=value)
-    head, crc = _string_head(values)
-    return _Source(key, "string", shape, len(head) + sum(len(v) for v in values),
-                   [np.frombuffer(v, np.uint8) for v in values], crc, head, value)
+    return _string_source(key, value, shape)
   if dtype.name not in DTYPES:
     raise errors.CheckpointError(f"{key}: a {dtype.name} tensor cannot be saved in the local tier.")
   arr = value._numpy() if isinstance(value, tf.Tensor) else np.asarray(value)  # pylint: disable=protected-access
