@@ -23,31 +23,36 @@ def _model():
   return model
 
 
-@pytest.mark.parametrize("tier", ["local", "async", "sync"])
+@pytest.mark.parametrize("tier", ["local", "async", "sync", "both"])
 def test_the_step_serializes_nothing(tmp_path, monkeypatch, tier):
   """Counted inside the step (the training thread): SerializeIterator takes a variant; no bytes are made there.
 
   serialize_tensor (a variant or any tensor to bytes) runs on the writer
   thread for local and async saves. A sync save returns once committed, so
   its writing is in the step by definition: there only the count of
-  SerializeIterator calls (the capture) is checked.
+  SerializeIterator calls (the capture) is checked. With both tiers at every
+  saving step, one snapshot serves both: each state taken is made into
+  bytes once.
   """
   calls = {"SerializeIterator": [], "SerializeTensor": []}
+  variants = []
   real_capture, real_bytes = gen_dataset_ops.serialize_iterator, tf.io.serialize_tensor
 
   def capture(*a, **k):
     calls["SerializeIterator"].append(threading.current_thread().name)
     return real_capture(*a, **k)
 
-  def to_bytes(*a, **k):
+  def to_bytes(value, *a, **k):
     calls["SerializeTensor"].append(threading.current_thread().name)
-    return real_bytes(*a, **k)
+    if value.dtype == tf.variant:
+      variants.append(value)  # Held: ids stay unique.
+    return real_bytes(value, *a, **k)
 
   monkeypatch.setattr(gen_dataset_ops, "serialize_iterator", capture)
   monkeypatch.setattr(tf.io, "serialize_tensor", to_bytes)
-  kw = (dict(save_freq=False, local_checkpoint_every_steps=2,
-             local_checkpoint_dir=str(tmp_path / "local")) if tier == "local"
-        else dict(save_freq=2, async_save=tier == "async"))
+  kw = (dict(save_freq=False if tier == "local" else 2, async_save=True,
+             local_checkpoint_every_steps=2, local_checkpoint_dir=str(tmp_path / "local"))
+        if tier in ("local", "both") else dict(save_freq=2, async_save=tier == "async"))
   backup = callbacks.BackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=False, **kw)
   dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(256, seed=1).batch(8).repeat()
   _model().fit(dataset, epochs=1, steps_per_epoch=20, verbose=0, callbacks=[backup])
@@ -57,6 +62,7 @@ def test_the_step_serializes_nothing(tmp_path, monkeypatch, tier):
   if tier != "sync":
     assert not in_step["SerializeTensor"], calls
     assert calls["SerializeTensor"], calls  # ... made on the writer.
+  assert variants and len({id(v) for v in variants}) == len(variants), calls  # Each once.
 
 
 def test_auto_interval_is_the_smallest_within_the_budget():

@@ -327,7 +327,28 @@ def test_after_a_rollback_no_copy_of_the_abandoned_branch_is_ever_restored(run):
 def test_a_tie_of_the_tiers_restores_the_save_counter_of_the_catalog_and_saves_on(tmp_path):
   """Finding 5: save() took its local copy before save_counter counted the persistent save of that step."""
   run = _Run(str(tmp_path), local_every=5, every=10, last=0)
+  gathered = []
+
+  class Counted(items_lib.CachedGather):
+
+    def __call__(self):
+      gathered.append(int(run.step.numpy()))
+      return super().__call__()
+
+  run.manager._gather = Counted(run.ckpt)  # pylint: disable=protected-access
   run.train(22)  # Persistent ckpt-1 at step 10, ckpt-2 at step 20; local at 15 and 20.
+  # One snapshot at a step of both tiers: the local copies of 10 and 20 took the persistent save's.
+  assert gathered == [5, 15], gathered
+  persistent = tf.train.load_checkpoint(os.path.join(run.root, "model", "ckpt-2"))
+  local = manifest_lib.read_manifest(run.manager.local_checkpoints()[-1])
+  # A checkpoint without save_counter yet: not the copy's objects, so TF's restore reads it.
+  fresh = tf.train.Checkpoint(v=tf.Variable(tf.zeros([64])), step=tf.Variable(0, dtype=tf.int64))
+  tensors = copies.restore(fresh, run.manager._local.layout, run.manager.local_checkpoints()[-1],  # pylint: disable=protected-access
+                           local)
+  for key in ("v/.ATTRIBUTES/VARIABLE_VALUE", "save_counter/.ATTRIBUTES/VARIABLE_VALUE"):
+    assert np.asarray(tensors[key]).tobytes() == persistent.get_tensor(key).tobytes(), key
+  assert fresh.v.numpy().tobytes() == persistent.get_tensor("v/.ATTRIBUTES/VARIABLE_VALUE").tobytes()
+  assert int(fresh.save_counter.numpy()) == 2
   again = run.restart()
   assert again.manager.restore_or_initialize().endswith("worker-0/ckpt-20")
   assert int(again.ckpt.save_counter.numpy()) == 2
