@@ -457,3 +457,43 @@ def test_a_local_save_never_waits_for_the_previous_one(run):
     faults.install(None)
   run.manager.sync()
   assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-3", "ckpt-5"]
+
+
+def test_a_slot_whose_step_may_still_become_complete_everywhere_is_not_overwritten(tmp_path,
+                                                                                 monkeypatch):
+  """The floor lags behind both slots (a fresh start; DONE reports late): the older slot stays.
+
+  Worker 0 of 2 saves on while worker 1's parts are done late. Had the third
+  save overwritten step 2, a late report for 2 would make it complete on
+  every worker with worker 0 no longer holding it.
+  """
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(local_lib, "COMPLETE_WAIT_S", 0.05)
+  tier = local_lib.LocalTier(layout_lib.Layout(str(tmp_path / "w0"), "ckpt"),
+                             cluster.Worker(0, 2), 2, 60)
+  tier.start("token", "session")
+
+  def held():
+    return [h.step for h in reversed(tier.held())]
+
+  try:
+    for step in (2, 4, 6):
+      tier_runs.save_local(tier, step)
+    assert tier.generations.floor is None and held() == [2, 4] and tier.skipped == 1
+    tier.generations.done(1, 2)  # Late: 2 is complete everywhere, 4 not yet.
+    tier_runs.save_local(tier, 8)
+    assert held() == [2, 4] and tier.skipped == 2
+    tier.generations.done(1, 4)  # 2 is let go once a newer step is complete.
+    tier_runs.save_local(tier, 10)
+    assert held() == [4, 10] and tier.skipped == 2
+    tier.generations.restored(1)  # A floor older than both slots: both may become it.
+    tier_runs.save_local(tier, 12)
+    assert held() == [4, 10] and tier.skipped == 3
+    # The floor moving on while a save waits for it frees the older slot.
+    threading.Timer(0.2, tier.generations.done, (1, 10)).start()
+    tier.generations.done(0, 10)
+    monkeypatch.setattr(local_lib, "COMPLETE_WAIT_S", 30)
+    tier_runs.save_local(tier, 14)
+    assert held() == [10, 14] and tier.skipped == 3
+  finally:
+    tier.close()

@@ -45,10 +45,14 @@ class Generations:
         self._done = {s: w for s, w in self._done.items() if s > step}
         self._lock.notify_all()
 
-  def wait_complete(self, step: int, timeout: float) -> bool:
-    """Waits up to `timeout` seconds until `step` (or a newer one) is complete; returns whether it is."""
+  def wait_past(self, step: int, timeout: float) -> bool:
+    """Waits up to `timeout` seconds until a step newer than `step` is complete; returns whether one is.
+
+    Then `step` can never become the newest complete step (the floor only
+    moves on, but at a restore), and a copy of it may go.
+    """
     with self._lock:
-      return self._lock.wait_for(lambda: self.floor is not None and self.floor >= step, timeout)
+      return self._lock.wait_for(lambda: self.floor is not None and self.floor > step, timeout)
 
   def restored(self, step: int | None) -> None:
     """A restore at `step` (None: a fresh start): what all workers now hold; earlier reports are void."""

@@ -28,8 +28,8 @@ LOCAL_KEEP = generations.LOCAL_KEEP
 # With local_checkpoint_every_steps="auto": the share of the training time
 # local saves may cost (their blocked time and their writer's CPU).
 DEFAULT_OVERHEAD = 0.02
-# How long a save waits for the newest copy to be complete on every worker
-# before it may overwrite the slot of the one that is (else it is skipped).
+# How long a save waits for a step newer than its older slot's to be complete
+# on every worker before it may overwrite that slot (else it is skipped).
 COMPLETE_WAIT_S = 1.0
 
 
@@ -75,10 +75,10 @@ class LocalTier:
   Saves run in a thread of their own (`save`); one while the previous is
   still being written waits for it (the newest one only), so training never
   waits for this tier. A save fills the slot that does not hold the newest
-  copy; the slot of the newest step complete on every worker
-  (`generations.Generations`: copies and per-worker states) is not
-  overwritten until a newer one is complete (a save waits a moment for
-  that, else it is skipped). The per-worker states a worker keeps of its
+  copy; that slot's copy is overwritten only once a newer step is complete
+  on every worker (`generations.Generations`: copies and per-worker
+  states), so the newest complete step, and any newer one that may become
+  it, stays (a save waits a moment for that, else it is skipped). The per-worker states a worker keeps of its
   neighbour are files of their own (tfdp.checkpoint.replicas).
 
   Args:
@@ -254,9 +254,12 @@ class LocalTier:
   def _free_slot(self, wait: bool = True) -> int | None:
     """The slot a new copy may fill, its record deleted (None: none may be, now).
 
-    Never the newest copy's. The other's copy is let go unless it is the
-    newest step complete on every worker and the newest is not complete
-    yet: then this waits up to COMPLETE_WAIT_S for that.
+    Never the newest copy's. The other's copy is let go only once a newer
+    step is complete on every worker: while it is the newest complete step,
+    or newer than it (or none is complete yet: a fresh start, reports
+    late), it is the step, or may become the step, that a replaced host
+    finds held whole. Then this waits up to COMPLETE_WAIT_S for a newer one
+    to be complete (the writer thread waits, never training), else None.
     """
     with self._lock:
       by_slot = {copies.slot_index(self.layout, m): s for s, m in self._copies.items()}
@@ -265,8 +268,7 @@ class LocalTier:
       return free[0]
     newest = max(by_slot.values())
     k, older = next((k, s) for k, s in by_slot.items() if s != newest)
-    if older == self.generations.floor and not (
-        wait and self.generations.wait_complete(newest, COMPLETE_WAIT_S)):
+    if not self.generations.wait_past(older, COMPLETE_WAIT_S if wait else 0):
       return None
     self.delete(self.layout.prefix(older))
     return k
