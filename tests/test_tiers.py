@@ -497,3 +497,43 @@ def test_a_slot_whose_step_may_still_become_complete_everywhere_is_not_overwritt
     assert held() == [10, 14] and tier.skipped == 3
   finally:
     tier.close()
+
+
+def test_a_copy_received_at_a_restore_never_lands_on_the_step_it_falls_back_to(tmp_path):
+  """Worker 1 holds 2 (which worker 0 holds too) and 4; worker 0 sends 6, and the transfer stops half way.
+
+  The bytes of 6 go over 4: 2, what every worker falls back to, is intact.
+  """
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint import slots  # pylint: disable=g-import-not-at-top
+  rows = [_row(None, (6, 0), (2, 0)), _row(None, (4, 0), (2, 0))]
+  assert recovery.choose(rows) == recovery.Choice("peer", 6, (0,))
+  assert recovery.fallback(rows, 6) == 2 and recovery.fallback(rows, 2) is None
+  assert recovery.fallback([_row(None, (6, 0)), _row(None)], 6) is None
+  holder, receiver = (local_lib.LocalTier(layout_lib.Layout(str(tmp_path / f"w{w}"), "ckpt"),
+                                          cluster.Worker(w, 2), 2, 60) for w in (0, 1))
+  try:
+    for tier, steps in ((holder, (2, 6)), (receiver, (2, 4))):
+      tier.start("token", "session")
+      for step in steps:
+        tier_runs.save_local(tier, step)
+    four = receiver.layout.slot(copies.slot_index(receiver.layout, receiver.held()[0].manifest))
+    (held,) = [h for h in holder.held() if h.step == 6]
+    receiver.receiving(keep=recovery.fallback(rows, 6))
+    offer = receiver._incoming(6, held.manifest.to_json(), [held.manifest.slot.size])  # pylint: disable=protected-access
+    assert offer.slot.path == four and [h.step for h in receiver.held()] == [2]
+    path, size = holder.send_of(held)
+    a, b = socket.socketpair()
+    with open(path, "rb") as f:
+      a.sendall(f.read(size // 2))
+    a.close()
+    with pytest.raises(ConnectionError):
+      offer.receive(b)
+    b.close()
+    (kept,) = receiver.held()
+    got = slots.read(receiver.layout.slot(copies.slot_index(receiver.layout, kept.manifest)),
+                     kept.manifest.slot.entries, kept.manifest.slot.size)
+    assert kept.step == 2 and got["v"].tolist() == [2.0] * 4
+  finally:
+    holder.close()
+    receiver.close()

@@ -114,6 +114,7 @@ class LocalTier:
     self._writer = async_writer.AsyncWriter()
     self._writing = False  # A save is being written; the next waits in `_pending`.
     self._pending = None
+    self._keep = None  # The step a restore falls back to if a transfer fails (`receiving`).
     self.link = None  # The side channel to the other workers (tfdp.checkpoint.peers).
 
   def connect(self) -> None:
@@ -251,7 +252,7 @@ class LocalTier:
     self.generations.done(self.worker, step)
     self.prune()
 
-  def _free_slot(self, wait: bool = True) -> int | None:
+  def _free_slot(self) -> int | None:
     """The slot a new copy may fill, its record deleted (None: none may be, now).
 
     Never the newest copy's. The other's copy is let go only once a newer
@@ -261,17 +262,21 @@ class LocalTier:
     finds held whole. Then this waits up to COMPLETE_WAIT_S for a newer one
     to be complete (the writer thread waits, never training), else None.
     """
-    with self._lock:
-      by_slot = {copies.slot_index(self.layout, m): s for s, m in self._copies.items()}
-    free = [k for k in range(slots_lib.COUNT) if k not in by_slot]
-    if free:
-      return free[0]
+    by_slot, free = self._held_slots()
+    if free is not None:
+      return free
     newest = max(by_slot.values())
     k, older = next((k, s) for k, s in by_slot.items() if s != newest)
-    if not self.generations.wait_past(older, COMPLETE_WAIT_S if wait else 0):
+    if not self.generations.wait_past(older, COMPLETE_WAIT_S):
       return None
     self.delete(self.layout.prefix(older))
     return k
+
+  def _held_slots(self) -> tuple[dict, int | None]:
+    """({slot: the step of the copy in it}, a slot no copy is in, or None)."""
+    with self._lock:
+      by_slot = {copies.slot_index(self.layout, m): s for s, m in self._copies.items()}
+    return by_slot, next((k for k in range(slots_lib.COUNT) if k not in by_slot), None)
 
   @property
   def costs(self) -> list[tuple[float, float]]:
@@ -313,21 +318,30 @@ class LocalTier:
     """(the slot file, its bytes) of local copy `held` that a holder sends."""
     return copies.send(self.layout, held.manifest)
 
+  def receiving(self, keep: int | None) -> None:
+    """A restore is about to receive a copy from a peer; `keep`: the step it falls back to if that fails.
+
+    The received bytes then never land in the slot of `keep` (see `_incoming`).
+    """
+    self._keep = keep
+
   def _incoming(self, step, manifest_json, sizes):
     """Where the bytes of a copy a peer sends go (the side channel asks, before it reads them).
 
-    The slot of no copy, or of the older one (its record deleted first),
-    once the offer is checked.
+    Once the offer is checked: the slot of no copy, else the slot of a copy
+    other than the one the restore falls back to if this transfer fails
+    (`receiving`: the newest step older than this one that every worker
+    holds), the older when neither is. Its record is deleted first: its
+    bytes are overwritten from here on.
     """
     offer = copies.incoming(self.layout, None, step, manifest_json, sizes)
     with self._lock:
       if step in self._copies:
         self.delete(self.layout.prefix(step))
-      k = self._free_slot(wait=False)
-      if k is None:  # The older copy is of the newest step complete everywhere: it goes too.
-        older = min(self._copies)
-        k = copies.slot_index(self.layout, self._copies[older])
-        self.delete(self.layout.prefix(older))
+      by_slot, k = self._held_slots()
+      if k is None:
+        k = min(by_slot, key=lambda k: (by_slot[k] == self._keep, by_slot[k]))
+        self.delete(self.layout.prefix(by_slot[k]))
       offer.slot = self.slots[k]
       return offer
 

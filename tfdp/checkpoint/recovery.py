@@ -95,6 +95,19 @@ def choose(table) -> Choice:
   return Choice("persistent")
 
 
+def fallback(table, step: int) -> int | None:
+  """The newest step older than `step` that every worker holds a copy of, from the `offer` rows (pure).
+
+  What `choose` falls back to when a peer recovery of `step` fails (or
+  older: the persistent tier, when it is newer). A receiver keeps its copy
+  of it while the bytes of `step` land.
+  """
+  table = np.asarray(table, np.float64)
+  held = [{int(s) - 1 for s in row[1:1 + 2 * SLOTS:2] if s > 0} for row in table]
+  common = [s for s in set.intersection(*held) if s < step] if held else []
+  return max(common, default=None)
+
+
 # -- the protocol --
 
 def restore_newest(checkpoint, tier: local_lib.LocalTier | None, me: cluster.Worker,
@@ -189,11 +202,14 @@ class TieredRestore:
       link = tier.link is not None and tier.link.open
       row = offer(held, persistent_step, tier.kept_for_left(), no_peer=no_peer,
                   link=link or self._me.count == 1)
-      choice = choose(cluster.gather(row, self._me.strategy))
+      table = cluster.gather(row, self._me.strategy)
+      choice = choose(table)
       if choice.kind == "persistent":
         return None
       start = time.perf_counter()
       mine = next((h for h in held if h.step == choice.step), None)
+      if mine is None:
+        tier.receiving(keep=fallback(table, choice.step))
       seconds = {}
       outcome, failed = self._attempt(choice, mine, before_restore, seconds)
       if outcome == OK:
