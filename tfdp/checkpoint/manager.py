@@ -396,8 +396,9 @@ class CheckpointManager(local_face.LocalFace):
   def _local_items(self, step):
     """What a local copy holds: the state, taken in one traced call, and this worker's per-worker state.
 
-    At the step of a persistent save, what that save took (one snapshot,
-    one data position for both tiers).
+    At the step of a persistent save, what that save took (the same reads
+    and data position for both tiers: one snapshot on CPU; on a GPU the
+    local tier still copies device tensors into its host mirrors).
     """
     taken, self._taken = self._taken, None
     if taken is not None and taken[0] == step:
