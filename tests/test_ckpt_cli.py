@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp
+from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.cli import ckpt
 from tests.conftest import REPO
 
@@ -111,7 +112,7 @@ def test_inspect_summarizes_then_lists_the_users_variables(dirs):
   assert (code, err) == (0, ""), err
   summary, table = out.split("\n\n")
   labels = dict(re.match(r"(\S+(?: \S+)?) +(.*)", line).groups() for line in summary.splitlines())
-  assert labels["checkpoint"] == f"{prefix} (tfdp, manifest version 3)"
+  assert labels["checkpoint"] == f"{prefix} (tfdp, manifest version {manifest_lib.MANIFEST_VERSION})"
   # 8 batches an epoch: step 11 is the 3rd step of the 2nd epoch.
   assert labels["step"] == "11 (epoch 2, step 3 of it)"
   assert labels["world size"] == "1 worker"
