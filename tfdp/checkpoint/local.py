@@ -21,6 +21,7 @@ from tfdp.checkpoint import peers
 from tfdp.checkpoint import planner
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import replicas as replicas_lib
+from tfdp.checkpoint import slot_choice
 from tfdp.checkpoint import slots as slots_lib
 from tfdp.checkpoint import wire
 
@@ -253,30 +254,13 @@ class LocalTier:
     self.prune()
 
   def _free_slot(self) -> int | None:
-    """The slot a new copy may fill, its record deleted (None: none may be, now).
-
-    Never the newest copy's. The other's copy is let go only once a newer
-    step is complete on every worker: while it is the newest complete step,
-    or newer than it (or none is complete yet: a fresh start, reports
-    late), it is the step, or may become the step, that a replaced host
-    finds held whole. Then this waits up to COMPLETE_WAIT_S for a newer one
-    to be complete (the writer thread waits, never training), else None.
-    """
-    by_slot, free = self._held_slots()
-    if free is not None:
-      return free
-    newest = max(by_slot.values())
-    k, older = next((k, s) for k, s in by_slot.items() if s != newest)
-    if not self.generations.wait_past(older, COMPLETE_WAIT_S):
-      return None
-    self.delete(self.layout.prefix(older))
-    return k
-
-  def _held_slots(self) -> tuple[dict, int | None]:
-    """({slot: the step of the copy in it}, a slot no copy is in, or None)."""
+    """The slot a new copy may fill, its record deleted (None: none may be, now; see slot_choice)."""
     with self._lock:
-      by_slot = {copies.slot_index(self.layout, m): s for s, m in self._copies.items()}
-    return by_slot, next((k for k in range(slots_lib.COUNT) if k not in by_slot), None)
+      by_slot, free = slot_choice.held(self.layout, self._copies)
+    got = slot_choice.for_save(by_slot, free, self.generations, COMPLETE_WAIT_S)
+    if got is not None and got[1] is not None:
+      self.delete(self.layout.prefix(got[1]))
+    return None if got is None else got[0]
 
   @property
   def costs(self) -> list[tuple[float, float]]:
@@ -328,20 +312,18 @@ class LocalTier:
   def _incoming(self, step, manifest_json, sizes):
     """Where the bytes of a copy a peer sends go (the side channel asks, before it reads them).
 
-    Once the offer is checked: the slot of no copy, else the slot of a copy
-    other than the one the restore falls back to if this transfer fails
-    (`receiving`: the newest step older than this one that every worker
-    holds), the older when neither is. Its record is deleted first: its
+    Once the offer is checked: a slot slot_choice.for_incoming picks (never
+    that of the step `receiving` named). Its record is deleted first: its
     bytes are overwritten from here on.
     """
     offer = copies.incoming(self.layout, None, step, manifest_json, sizes)
     with self._lock:
       if step in self._copies:
         self.delete(self.layout.prefix(step))
-      by_slot, k = self._held_slots()
-      if k is None:
-        k = min(by_slot, key=lambda k: (by_slot[k] == self._keep, by_slot[k]))
-        self.delete(self.layout.prefix(by_slot[k]))
+      k, replaced = slot_choice.for_incoming(*slot_choice.held(self.layout, self._copies),
+                                             self._keep)
+      if replaced is not None:
+        self.delete(self.layout.prefix(replaced))
       offer.slot = self.slots[k]
       return offer
 
