@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -459,44 +460,97 @@ def test_a_local_save_never_waits_for_the_previous_one(run):
   assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-3", "ckpt-5"]
 
 
-def test_a_slot_whose_step_may_still_become_complete_everywhere_is_not_overwritten(tmp_path,
-                                                                                 monkeypatch):
-  """The floor lags behind both slots (a fresh start; DONE reports late): the older slot stays.
+def _save_everywhere(tiers, step):
+  """Both workers save `step` at once (as training does), then wait for their writers."""
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  for tier in tiers:
+    tier_runs.save_local(tier, step, wait=False)
+  for tier in tiers:
+    tier.wait()
+
+
+def _held_everywhere(tiers):
+  return [[h.step for h in tier.held()] for tier in tiers]
+
+
+@pytest.fixture
+def linked(tmp_path):
+  """(the local tiers of a 2-worker job joined by real side channels, an Event that `_hold` waits for)."""
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  tiers, _ = tier_runs.linked_tiers(str(tmp_path / "linked"))
+  release = threading.Event()
+  yield tiers, release
+  faults.install(None)
+  release.set()
+  for tier in tiers:
+    tier.close()
+
+
+def _hold(worker, release):
+  """Holds worker `worker`'s writer before its next fills, until `release` is set."""
+  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  faults.install(lambda phase, w: phase == "before_shard" and w == worker and release.wait(30))
+
+
+def test_a_slot_whose_step_may_still_become_complete_everywhere_is_not_overwritten(tmp_path):
+  """The floor lags behind both slots (a fresh start; DONE reports late): the save waits, the older slot stays.
 
   Worker 0 of 2 saves on while worker 1's parts are done late. Had the third
   save overwritten step 2, a late report for 2 would make it complete on
   every worker with worker 0 no longer holding it.
   """
   from tests import tier_runs  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(local_lib, "COMPLETE_WAIT_S", 0.05)
   tier = local_lib.LocalTier(layout_lib.Layout(str(tmp_path / "w0"), "ckpt"),
                              cluster.Worker(0, 2), 2, 60)
   tier.start("token", "session")
 
-  def held():
+  def held_while_waiting():
+    time.sleep(0.3)
+    assert tier.busy() and tier.skipped == 0
     return [h.step for h in reversed(tier.held())]
 
   try:
-    for step in (2, 4, 6):
+    for step in (2, 4):
       tier_runs.save_local(tier, step)
-    assert tier.generations.floor is None and held() == [2, 4] and tier.skipped == 1
+    tier_runs.save_local(tier, 6, wait=False)
+    assert tier.generations.floor is None and held_while_waiting() == [2, 4]
     tier.generations.done(1, 2)  # Late: 2 is complete everywhere, 4 not yet.
-    tier_runs.save_local(tier, 8)
-    assert held() == [2, 4] and tier.skipped == 2
+    assert held_while_waiting() == [2, 4]
     tier.generations.done(1, 4)  # 2 is let go once a newer step is complete.
-    tier_runs.save_local(tier, 10)
-    assert held() == [4, 10] and tier.skipped == 2
-    tier.generations.restored(1)  # A floor older than both slots: both may become it.
-    tier_runs.save_local(tier, 12)
-    assert held() == [4, 10] and tier.skipped == 3
-    # The floor moving on while a save waits for it frees the older slot.
-    threading.Timer(0.2, tier.generations.done, (1, 10)).start()
-    tier.generations.done(0, 10)
-    monkeypatch.setattr(local_lib, "COMPLETE_WAIT_S", 30)
-    tier_runs.save_local(tier, 14)
-    assert held() == [10, 14] and tier.skipped == 3
+    tier.wait()
+    assert [h.step for h in tier.held()] == [6, 4] and tier.skipped == 0
+    tier.generations.restored(1)  # A floor older than both slots: both may become it ...
+    tier_runs.save_local(tier, 8, wait=False)
+    assert held_while_waiting() == [4, 6]
+    tier.generations.done(1, 8)  # ... till worker 1 reports 8, not 6: 6 can never be complete.
+    tier.wait()
+    assert [h.step for h in tier.held()] == [8, 4] and tier.skipped == 0
   finally:
     tier.close()
+
+
+def test_a_save_waits_for_a_slot_only_while_every_worker_may_still_report(linked, tmp_path):
+  """Worker 0 holds 2 (the floor) and 4, which worker 1 never saves: its next save is skipped once worker 1 is gone, or after the tier's timeout."""
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  tiers, _ = linked
+  _save_everywhere(tiers, 2)
+  for step in (4, 6):
+    tier_runs.save_local(tiers[0], step, wait=False)
+  time.sleep(0.3)
+  assert tiers[0].busy() and tiers[0].skipped == 0
+  tiers[1].close()  # Its connections end: it reports no more.
+  tiers[0].wait()
+  assert [h.step for h in tiers[0].held()] == [4, 2] and tiers[0].skipped == 1
+  alone = local_lib.LocalTier(layout_lib.Layout(str(tmp_path / "w0"), "ckpt"),
+                              cluster.Worker(0, 2), 2, 0.5)
+  alone.start("token", "session")
+  try:
+    for step in (2, 4, 6):
+      tier_runs.save_local(alone, step)
+    assert [h.step for h in alone.held()] == [4, 2] and alone.skipped == 1
+  finally:
+    alone.close()
 
 
 def test_a_copy_received_at_a_restore_never_lands_on_the_step_it_falls_back_to(tmp_path):
@@ -537,3 +591,59 @@ def test_a_copy_received_at_a_restore_never_lands_on_the_step_it_falls_back_to(t
   finally:
     holder.close()
     receiver.close()
+
+
+def test_a_late_report_makes_a_save_wait_and_never_stops_the_local_tier(linked):
+  """Both hold 2; worker 1 writes 4 late, after worker 0's save of 6 came (so 2 is still the floor there).
+
+  Had worker 0 skipped 6 (it waited 1 s for 4 to be complete), worker 1
+  would hold 4 and 6 and wait for 6 to be complete, worker 0 4 and 8 and
+  wait for 8: no local save on any worker ever again. Worker 0's save of 6
+  waits for 4 instead.
+  """
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  tiers, release = linked
+  _save_everywhere(tiers, 2)
+  _hold(1, release)
+  tier_runs.save_local(tiers[1], 4, wait=False)
+  tier_runs.save_local(tiers[0], 4)
+  tier_runs.save_local(tiers[0], 6, wait=False)  # 2 is the floor: the older slot stays.
+  time.sleep(1.5)
+  assert _held_everywhere(tiers) == [[4, 2], [2]]
+  release.set()
+  tiers[1].wait()
+  tier_runs.save_local(tiers[1], 6)
+  tiers[0].wait()
+  for step in (8, 10):
+    _save_everywhere(tiers, step)
+  assert _held_everywhere(tiers) == [[10, 8], [10, 8]]
+  assert [t.skipped for t in tiers] == [0, 0] and [t.generations.floor for t in tiers] == [10, 10]
+
+
+def test_a_save_skipped_on_one_worker_only_never_stops_the_local_tier(linked):
+  """Worker 0's writer is held up at 6 while 8 and 10 come: 10 takes 8's place there; worker 1 saves 8.
+
+  8 can never be complete. Once worker 0 reports 10, worker 1 knows it (a
+  worker reports its steps in order) and fills 8's slot with 10, never the
+  slot of 6, the floor. Had it waited for 8 instead (and skipped 10), every
+  later save would have waited for a step some worker never saved.
+  """
+  from tests import tier_runs  # pylint: disable=g-import-not-at-top
+  tiers, release = linked
+  for step in (2, 4):
+    _save_everywhere(tiers, step)
+  _hold(0, release)
+  for step in (6, 8, 10):
+    tier_runs.save_local(tiers[0], step, wait=False)
+  assert tiers[0].skipped == 1
+  tier_runs.save_local(tiers[1], 6)
+  tier_runs.save_local(tiers[1], 8, wait=False)  # Waits for 6 to be complete.
+  release.set()
+  for tier in tiers:
+    tier.wait()
+  assert _held_everywhere(tiers) == [[10, 6], [8, 6]]
+  tier_runs.save_local(tiers[1], 10)
+  assert _held_everywhere(tiers) == [[10, 6], [10, 6]]
+  _save_everywhere(tiers, 12)
+  assert _held_everywhere(tiers) == [[12, 10], [12, 10]]
+  assert [t.skipped for t in tiers] == [1, 0] and [t.generations.floor for t in tiers] == [12, 12]

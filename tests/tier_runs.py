@@ -99,8 +99,8 @@ def linked_tiers(root, secret=None):
   return tiers, secret
 
 
-def save_local(tier, step, position=b"position"):
-  """A local save of a tiny state and `tier`'s per-worker data position at `step`; waits for it."""
+def save_local(tier, step, position=b"position", wait=True):
+  """A local save of a tiny state and `tier`'s per-worker data position at `step`; waits for it (with `wait`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint import layout as layout_lib  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
@@ -111,4 +111,5 @@ def save_local(tier, step, position=b"position"):
   meta = manifest_lib.SaveMeta(step, step, per_worker_keys=["data"], tier="local",
                                run_token=tier.token)
   tier.save(step, lambda: items, lambda: meta)
-  tier.wait()
+  if wait:
+    tier.wait()

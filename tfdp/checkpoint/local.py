@@ -29,9 +29,6 @@ LOCAL_KEEP = generations.LOCAL_KEEP
 # With local_checkpoint_every_steps="auto": the share of the training time
 # local saves may cost (their blocked time and their writer's CPU).
 DEFAULT_OVERHEAD = 0.02
-# How long a save waits for a step newer than its older slot's to be complete
-# on every worker before it may overwrite that slot (else it is skipped).
-COMPLETE_WAIT_S = 1.0
 
 
 def make(layout: layout_lib.Layout, directory: str | None, every_steps, me, timeout: float,
@@ -75,12 +72,11 @@ class LocalTier:
 
   Saves run in a thread of their own (`save`); one while the previous is
   still being written waits for it (the newest one only), so training never
-  waits for this tier. A save fills the slot that does not hold the newest
-  copy; that slot's copy is overwritten only once a newer step is complete
-  on every worker (`generations.Generations`: copies and per-worker
-  states), so the newest complete step, and any newer one that may become
-  it, stays (a save waits a moment for that, else it is skipped). The per-worker states a worker keeps of its
-  neighbour are files of their own (tfdp.checkpoint.replicas).
+  waits for this tier. A save fills a slot tfdp.checkpoint.slot_choice
+  names: never the newest copy's, never the newest step complete on every
+  worker (`generations.Generations`: copies and per-worker states); the
+  writer waits for one to be free. The per-worker states a worker keeps of
+  its neighbour are files of their own (tfdp.checkpoint.replicas).
 
   Args:
     layout: this worker's local layout (`Layout.local(root, worker)`).
@@ -246,6 +242,7 @@ class LocalTier:
     if self.link is not None:
       sent = self._replicate(step, own)
       if sent is False:  # Not kept by the neighbour: this worker's part is not done.
+        self.generations.void(step)
         self.prune()
         return
       # A neighbour that kept the state knows; the others are told.
@@ -254,13 +251,21 @@ class LocalTier:
     self.prune()
 
   def _free_slot(self) -> int | None:
-    """The slot a new copy may fill, its record deleted (None: none may be, now; see slot_choice)."""
+    """The slot a new copy may fill, its record deleted; may wait (None: skip it; see slot_choice)."""
     with self._lock:
       by_slot, free = slot_choice.held(self.layout, self._copies)
-    got = slot_choice.for_save(by_slot, free, self.generations, COMPLETE_WAIT_S)
-    if got is not None and got[1] is not None:
+    got = slot_choice.for_save(by_slot, free, self.generations, self._timeout, self._lost)
+    if got is None:
+      logging.log_first_n(logging.WARNING, "tfdp: a local save found no slot it may fill (a "
+                          "worker is lost, or none reported for %.0fs); skipped.", 1,
+                          self._timeout)
+    elif got[1] is not None:
       self.delete(self.layout.prefix(got[1]))
     return None if got is None else got[0]
+
+  def _lost(self) -> bool:
+    """Whether the side channel is closed or a worker's connection to it ended (it will report no more)."""
+    return self.link is not None and (not self.link.open or bool(self.link.gone))
 
   @property
   def costs(self) -> list[tuple[float, float]]:

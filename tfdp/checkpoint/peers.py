@@ -119,6 +119,8 @@ class PeerLink:
     self._expected = {}  # (kind, step, sender) -> _Expected
     self._out = {}  # worker -> authenticated socket (per-worker states, done)
     self._down_until = {}
+    self._inbound = {}  # worker -> its connections open now that carried its reports
+    self.gone = set()  # Workers whose every such connection ended (they report no more).
     self.refusals = _Refusals()
     self._warned = set()
     self._closed = False
@@ -172,6 +174,7 @@ class PeerLink:
 
   def _handle(self, conn, addr):
     where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+    sender, reporting = None, False
     try:
       conn.settimeout(wire.HANDSHAKE_S)
       try:
@@ -186,6 +189,9 @@ class PeerLink:
         wire.check_header(header, sender, self._me.count)
         conn.settimeout(STALL_S)
         self._dispatch(conn, sender, header)
+        if not reporting and header["kind"] in (wire.PER_WORKER, wire.DONE):
+          reporting = True  # The connection its reports come by.
+          self._count(sender, +1)
     except wire.Refused as e:
       self.refusals.note(where, e)
     except (OSError, ValueError) as e:
@@ -193,6 +199,8 @@ class PeerLink:
                                    str(e) == "peer closed the connection"):
         self._warn_once("cut", "tfdp: a message from a peer was cut short: %s", e)
     finally:
+      if reporting:
+        self._count(sender, -1)
       try:
         conn.close()
       finally:
@@ -200,6 +208,15 @@ class PeerLink:
           self._conns.discard(conn)
           self._threads.discard(threading.current_thread())
         self._slots.release()
+
+  def _count(self, sender, change):
+    """Counts a worker's connections that carry its reports: once all ended, it is gone."""
+    with self._lock:
+      self._inbound[sender] = self._inbound.get(sender, 0) + change
+      if change > 0:
+        self.gone.discard(sender)
+      elif not self._inbound[sender] and not self._closed:
+        self.gone.add(sender)
 
   def _check_space(self, nbytes):
     free = fs.free_bytes(self._directory) if nbytes else None

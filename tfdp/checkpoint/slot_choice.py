@@ -19,23 +19,33 @@ def held(layout: layout_lib.Layout, by_step: dict) -> tuple[dict, int | None]:
 
 
 def for_save(by_slot: dict, free: int | None, generations: generations_lib.Generations,
-             wait_s: float) -> tuple[int, int | None] | None:
-  """(the slot a save fills, the step of the copy in it, None if none); None: no slot may be filled now.
+             timeout: float, stop) -> tuple[int, int | None] | None:
+  """(the slot a save fills, the step of the copy in it, None if none); None: the save is skipped.
 
-  Never the newest copy's. The other's copy is let go only once a newer
-  step is complete on every worker: while it is the newest complete step,
-  or newer than it (or none is complete yet: a fresh start, reports
-  late), it is the step, or may become the step, that a replaced host
-  finds held whole. Then this waits up to `wait_s` for a newer one to be
-  complete (the writer thread waits, never training), else None.
+  Never the newest copy's, never the floor's (the newest step complete on
+  every worker, what a replaced host finds held whole). With both slots
+  full, the save (the writer thread, never training) waits until one may
+  go (Generations.wait_free):
+  - the older, once a newer step is complete: until then it is the floor,
+    or may become it (a fresh start; reports late);
+  - else the newest, once it can never be complete (a worker skipped it,
+    or this worker's own part of it failed): it can never be the floor.
+  One of the two always comes while the workers live and save: every
+  worker's writer saves in order and reports in order, so of the worker
+  whose newest copy is the oldest of all workers' newest, every other
+  worker either reported that step (it is complete: its older copy may go)
+  or reported a later one without it (it is dead). The wait ends early only
+  when `stop()` says a worker is lost or the side channel closed, or after
+  `timeout`: then the save is skipped, and the others see that at this
+  worker's next report.
   """
   if free is not None:
     return free, None
-  newest = max(by_slot.values())
-  k, older = next((k, s) for k, s in by_slot.items() if s != newest)
-  if not generations.wait_past(older, wait_s):
-    return None
-  return k, older
+  by_step = {s: k for k, s in by_slot.items()}
+  newest = max(by_step)
+  older = min(by_step)
+  step = generations.wait_free(older, newest, timeout, stop)
+  return None if step is None else (by_step[step], step)
 
 
 def for_incoming(by_slot: dict, free: int | None, keep: int | None) -> tuple[int, int | None]:
