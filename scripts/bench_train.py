@@ -101,9 +101,12 @@ _MB = 1 << 20
 def _settings():
   """Run sizes of this mode; explicit flags win."""
   if FLAGS.smoke:
-    d = dict(warmup_steps=2, windows=1, rounds=1, window_steps=5, ckpt_every=5,
-             sizes_mb=[1], packs_mb=[0, 1], reps=1, scaling_rounds=1,
-             tcp_mb=16, num_examples=256)
+    # One window of 2 steps after 1 warm-up step: still one save per timed
+    # window (ckpt_every 2) and one window rate per call. Packs of 4 MB, the
+    # default, so that the scaling part's alpha-beta prediction runs too.
+    d = dict(warmup_steps=1, windows=1, rounds=1, window_steps=2, ckpt_every=2,
+             sizes_mb=[1], packs_mb=[0, 4], reps=1, scaling_rounds=1,
+             tcp_mb=4, num_examples=256)
   elif FLAGS.quick:
     d = dict(warmup_steps=3, windows=1, rounds=2, window_steps=None,
              ckpt_every=None, sizes_mb=[1, 16], packs_mb=[0, 4], reps=2,
@@ -426,7 +429,8 @@ def _scaling_worker(settings):
     with open(FLAGS.result, "w") as f:
       json.dump({"workers": n, "global_batch_size": g, "window_rates": rates,
                  "grad_bytes": sum(int(v.numpy().nbytes)
-                                   for v in model.trainable_weights)}, f)
+                                   for v in model.trainable_weights),
+                 "bytes_per_pack": _default_bytes_per_pack()}, f)
 
 
 # -- orchestration --
@@ -606,26 +610,39 @@ def _core_ceiling(iterations):
     return [float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
   if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
     return None
-  alone = run([0])[0]
-  both = run([0, 1])
+  if FLAGS.smoke:
+    # The pair alone runs every line of run() (a TF process less); at the
+    # smoke run's 2 iterations the figure means nothing anyway.
+    both = run([0, 1])
+    alone = both[0]
+  else:
+    alone = run([0])[0]
+    both = run([0, 1])
   return (iterations / both[0] + iterations / both[1]) / (2 * iterations / alone)
 
 
-def _scaling(base, settings, allreduce=None):
+def _default_bytes_per_pack():
+  """make_strategy's bytes_per_pack when given none, for ring collectives between CPU workers."""
   from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
   pack = inspect.signature(strategy_lib.make_strategy).parameters["bytes_per_pack"].default
-  if pack is None:  # The default for ring collectives between CPU workers.
+  if pack is None:
     pack = strategy_lib.default_bytes_per_pack("ring", have_gpus=False)
+  return pack
+
+
+def _scaling(base, settings, allreduce=None):
   models = FLAGS.scaling_models[:1] if FLAGS.smoke else FLAGS.scaling_models
-  rows, samples = [], {}
+  # The workers report make_strategy's default bytes_per_pack (they import
+  # tfdp anyway; this process stays without TensorFlow).
+  rows, samples, pack = [], {}, None
   for model in models:
     rates, grad_bytes = {1: [], 2: []}, None
     for r in range(settings["scaling_rounds"]):
       for n in ((1, 2) if r % 2 == 0 else (2, 1)):
         res = _run_job(base, "scaling", num_workers=n, extra_args=[f"--model={model}"])
         rates[n].extend(res["window_rates"])
-        grad_bytes = res["grad_bytes"]
+        grad_bytes, pack = res["grad_bytes"], res["bytes_per_pack"]
     r1, r2 = bench_common.median(rates[1]), bench_common.median(rates[2])
     # The alpha-beta check: one worker's step time plus the measured 2-worker
     # all-reduce of this model's gradients (at the default bytes_per_pack).
@@ -640,7 +657,7 @@ def _scaling(base, settings, allreduce=None):
               "predicted_efficiency": predicted, "allreduce_s": t_ar,
               "step_s_1_worker": t1}]
     samples[model] = {str(k): v for k, v in rates.items()}
-  ceiling = _core_ceiling(20 if FLAGS.smoke else 300)
+  ceiling = _core_ceiling(2 if FLAGS.smoke else 300)
   return {"rows": rows, "per_worker_batch": FLAGS.scaling_batch, "intra_op_threads": 1,
           "cores_per_worker": 1, "core_ceiling_efficiency": ceiling,
           "bytes_per_pack": pack, "window_rates": samples}
@@ -701,6 +718,10 @@ def _print(out):
 
 def main(argv):
   del argv
+  if FLAGS.smoke and FLAGS.model == "mlp" and not FLAGS["image_size"].present:
+    # 8x8 images: the mlp has 1.2M parameters instead of 4.2M; every part runs
+    # the same code at any size, and the smoke run only checks that it runs.
+    FLAGS.image_size = 8
   settings = _settings()
   if FLAGS.role:
     logging.set_verbosity(logging.WARNING)
@@ -718,7 +739,7 @@ def main(argv):
            "overlap": lambda base, settings: bench_overlap.run(
                base, settings, _run_job,
                FLAGS.overlap_models[:1] if FLAGS.smoke else FLAGS.overlap_models,
-               bench_common.median, lambda: _core_ceiling(20 if FLAGS.smoke else 300),
+               bench_common.median, lambda: _core_ceiling(2 if FLAGS.smoke else 300),
                mirrored_only=FLAGS.overlap_mirrored_only)}
   try:
     for part in FLAGS.parts:

@@ -64,6 +64,8 @@ def test_smoke_writes_json(results, script):
         "plain", "tfdp", "plain_ckpt", "tfdp_ckpt"}
     assert data["allreduce"]["rows"] and "tcp_MBps" in data["allreduce"]
     assert [r["workers"] for r in data["scaling"]["rows"]][:2] == [1, 2]
+    # The alpha-beta prediction from the allreduce part's table ran too.
+    assert data["scaling"]["rows"][1]["predicted_efficiency"] is not None
   if script == "bench_resume.py":
     assert {r["variant"] for r in data["rows"]} == {"tfdp", "stock"}
   if script == "bench_tiers.py":
