@@ -14,7 +14,8 @@ from absl import logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "256 MB only, 1 repetition (CI smoke, < 2 min).")
-flags.DEFINE_bool("smoke", False, "16 MB only, 1 repetition (tests: only checks it runs).")
+flags.DEFINE_bool("smoke", False, "4 MB on 2 workers only, 1 repetition (tests: only checks "
+                  "it runs).")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_string("dir", None, "Scratch directory on the disk to measure "
                     "(default: a temp dir).")
@@ -27,7 +28,7 @@ flags.DEFINE_string("result", None, "internal: where a worker writes its result"
 _MB = 1 << 20
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common  # pylint: disable=g-import-not-at-top,wrong-import-position
-_VAR_MB = 16  # State is made of float32 variables of this size.
+_VAR_MB = 16  # State is made of float32 variables of this size (one variable when smaller).
 
 
 def _dir_bytes(path):
@@ -45,7 +46,7 @@ def _worker():
   n = int(os.environ.get("TFDP_NUM_WORKERS", "1"))
   strategy = (tf.distribute.MultiWorkerMirroredStrategy() if n > 1
               else tf.distribute.get_strategy())
-  per_var = _VAR_MB * _MB // 4
+  per_var = min(_VAR_MB, FLAGS.mb) * _MB // 4
   with strategy.scope():
     variables = [tf.Variable(tf.random.uniform([per_var], seed=i))
                  for i in range(max(1, FLAGS.mb // _VAR_MB))]
@@ -275,7 +276,8 @@ def main(argv):
   if FLAGS.role == "worker":
     _worker()
     return
-  sizes = [16] if FLAGS.smoke else [256] if FLAGS.quick else [256, 1024]
+  # The smoke run's 4 MB go through the same saves and restores as any size.
+  sizes = [4] if FLAGS.smoke else [256] if FLAGS.quick else [256, 1024]
   reps = FLAGS.reps or (1 if FLAGS.quick or FLAGS.smoke else 2)
   machine = bench_common.machine()
   base = FLAGS.dir or tempfile.mkdtemp(prefix="tfdp_bench_ckpt_")
