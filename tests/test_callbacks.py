@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, WORKERS, run_all
+from tests.conftest import REPO, WORKERS
 from tests.resume_run import committed_steps
 from tfdp import callbacks
 from tfdp import errors
@@ -18,12 +18,14 @@ from tfdp import errors
 SCRIPT = [sys.executable, os.path.join(WORKERS, "resume_fit.py")]
 
 
-def _run(backup_dir, slow_from=None, kill_after=None):
+def _run(backup_dir, slow_from=None, kill_after=None, reference_dir=None):
+  """resume_fit.py in `backup_dir` (then from scratch in `reference_dir`, in the same process)."""
   env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
   env["TF_CPP_MIN_LOG_LEVEL"] = "2"
   if slow_from is not None:
     env["TFDP_TEST_SLOW_FROM"] = str(slow_from)
-  proc = subprocess.Popen(SCRIPT + [backup_dir, "mirrored"], cwd=REPO, env=env,
+  args = [backup_dir, "mirrored"] + ([reference_dir] if reference_dir else [])
+  proc = subprocess.Popen(SCRIPT + args, cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   if kill_after is not None:
     deadline = time.monotonic() + 120
@@ -48,16 +50,17 @@ def _weights(backup_dir):
 def test_killed_mid_epoch_and_rerun_is_bitwise_equal(tmp_path):
   reference = str(tmp_path / "reference")
   backup = str(tmp_path / "backup")
-  # The reference beside the run to kill: two processes, one core each.
   # Step 15 is inside epoch 2 (steps 8..15); the kill lands a step or two later.
-  (code, out), (killed_code, killed_out) = run_all(
-      [lambda: _run(reference), lambda: _run(backup, slow_from=15, kill_after=15)])
-  assert code == 0 and "restored_step=None final_step=40" in out, out[-3000:]
-  code, out = killed_code, killed_out
+  code, out = _run(backup, slow_from=15, kill_after=15)
   assert code == -signal.SIGKILL, out[-3000:]
   assert committed_steps(backup) == [15]  # max_to_keep=1, like Keras's backup
-  code, out = _run(backup)
-  assert code == 0 and "restored_step=15 final_step=40" in out, out[-3000:]
+  # The rerun, in a fresh process; then, in that process, the uninterrupted
+  # reference from scratch (after the rerun has written its last backup, so
+  # it cannot touch it; a process of its own would start TensorFlow again).
+  code, out = _run(backup, reference_dir=reference)
+  resumed, uninterrupted = "restored_step=15 final_step=40", "restored_step=None final_step=40"
+  assert code == 0 and resumed in out and uninterrupted in out, out[-3000:]
+  assert out.index(resumed) < out.index(uninterrupted), out[-3000:]
 
   ref, res = _weights(reference), _weights(backup)
   assert sorted(ref) == sorted(res)

@@ -1,7 +1,10 @@
 """A plain Keras training script made exactly resumable with tfdp.callbacks.BackupAndRestore + tfdp.fit.
 
-Usage: resume_fit.py BACKUP_DIR STRATEGY. Env TFDP_TEST_SLOW_FROM=N sleeps
-after each step from global step N on, so a test can kill it mid-epoch.
+Usage: resume_fit.py BACKUP_DIR STRATEGY [REFERENCE_DIR]. Env
+TFDP_TEST_SLOW_FROM=N sleeps after each step from global step N on, so a
+test can kill it mid-epoch. With REFERENCE_DIR the same process then trains
+once more from scratch, backed up there: an uninterrupted reference without
+a process of its own (starting TensorFlow is most of a run's time).
 """
 
 import sys
@@ -15,9 +18,8 @@ from models import cnn
 import slow_steps  # tests/workers/
 
 
-def main(backup_dir, kind):
-  strategy = tfdp.make_strategy(kind, cpu_replicas=2 if kind == "mirrored" else None)
-  tf.config.experimental.enable_op_determinism()
+def train(strategy, backup_dir):
+  """The script's training, backed up in `backup_dir`; prints what it restored and reached."""
   keras.utils.set_random_seed(1)
   source = tfdp.data.synthetic_images(num_examples=256, image_shape=(8, 8, 3), seed=1)
   with strategy.scope():
@@ -38,5 +40,14 @@ def main(backup_dir, kind):
         f"{int(model.optimizer.iterations.numpy())}", flush=True)
 
 
+def main(backup_dir, kind, reference_dir=None):
+  strategy = tfdp.make_strategy(kind, cpu_replicas=2 if kind == "mirrored" else None)
+  tf.config.experimental.enable_op_determinism()
+  train(strategy, backup_dir)
+  if reference_dir:
+    keras.backend.clear_session()  # the model as a fresh process builds it
+    train(strategy, reference_dir)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2])
+  main(*sys.argv[1:])
