@@ -88,8 +88,10 @@ def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp("export")
   rng = np.random.default_rng(0)
   x = rng.normal(size=(16, 8, 8, 3)).astype("float32")
-  # The layer names a fresh process gives (Keras numbers unnamed layers per process).
-  keras.backend.clear_session()
+  # The layer names a fresh process gives (Keras numbers unnamed layers per
+  # process). Here and below without clear_session's gc.collect, which names
+  # do not need and which takes seconds in a process holding TensorFlow.
+  keras.backend.clear_session(free_memory=False)
   model = _compiled("cnn", **_KWARGS)
   model.fit(x, np.arange(16) % 3, batch_size=8, epochs=1, verbose=0)
   run_config = dict(export.model_run_config("cnn", dict(_KWARGS, input_shape=(8, 8, 3)), seed=1),
@@ -133,7 +135,7 @@ def test_safetensors_weights_only_set_into_a_fresh_model_predict_the_same(traine
   assert set(tensors) == trained["weights"]  # no slots, no iteration, no RNG state
   assert metadata == {"format": "keras", "source": os.path.abspath(trained["ckpt"]),
                       "step": "2", "contents": "weights"}
-  keras.backend.clear_session()
+  keras.backend.clear_session(free_memory=False)
   fresh = models.get("cnn").build(seed=7, **_KWARGS)
   for v in fresh.weights:
     v.assign(tensors[v.path])
@@ -270,7 +272,7 @@ def test_model_run_config_rebuilds_under_its_dtype_policy_and_checks_the_fit(tra
   assert keras.config.dtype_policy().name == "float32"  # the global policy is left alone
   with pytest.raises(errors.ConfigError, match="Unknown model 'nope'"):
     export.model_from_run_config(dict(entries, model="nope"))
-  keras.backend.clear_session()
+  keras.backend.clear_session(free_memory=False)
   other = models.get("cnn").build(seed=1, **dict(_KWARGS, num_classes=4))
   with pytest.raises(errors.ConfigError, match=r"'logits/bias' has shape \[3\] there, \(4,\)"):
     export.restore_model_variables(other, trained["ckpt"])
