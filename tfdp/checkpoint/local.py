@@ -233,9 +233,7 @@ class LocalTier:
       return
     root = layout_lib.per_worker_prefix(self.worker)
     own = [it for it in items if it.key.startswith(root)]
-    with self._lock:
-      self._sequence += 1
-      sequence = self._sequence
+    sequence = self._next_sequence()
     man = copies.write(self.slots[k], prefix, items, self._base(meta), self.worker, sequence)
     with self._lock:
       self._copies[step] = man
@@ -249,6 +247,12 @@ class LocalTier:
       self.link.report_done(step, skip=(self.link.neighbour,) if sent else ())
     self.generations.done(self.worker, step)
     self.prune()
+
+  def _next_sequence(self) -> int:
+    """The sequence number of the next record this worker commits (higher than every record it holds)."""
+    with self._lock:
+      self._sequence += 1
+      return self._sequence
 
   def _free_slot(self) -> int | None:
     """The slot a new copy may fill, its record deleted; may wait (None: skip it; see slot_choice)."""
@@ -342,9 +346,7 @@ class LocalTier:
     items = [planner.Item(root + k, "", v, 0) for k, v in sorted((own or {}).items())]
     base = self._base(manifest_lib.SaveMeta(offered.manifest.checkpoint_number,
                                             offered.manifest.step))
-    with self._lock:
-      self._sequence += 1
-      sequence = self._sequence
+    sequence = self._next_sequence()
     man = copies.adopt(offered.slot, self.layout.prefix(step), offered, items, base,
                        self.worker, sequence)
     with self._lock:

@@ -57,13 +57,18 @@ def varint(n: int) -> bytes:
   return bytes(out)
 
 
+def _length_bytes(n: int) -> bytes:
+  """A string's length as TF's bundle checksums it: 4 bytes little-endian, 8 when it needs them."""
+  return struct.pack("<I" if n <= 0xFFFFFFFF else "<Q", n)
+
+
 def _string_head(values) -> tuple[bytes, int]:
   """TF's bundle layout of strings: (varint lengths + their masked CRC32C, the CRC so far)."""
   crc, lengths = 0, []
   for v in values:
     n = len(v)
     lengths.append(varint(n))
-    crc = google_crc32c.extend(crc, struct.pack("<I" if n <= 0xFFFFFFFF else "<Q", n))
+    crc = google_crc32c.extend(crc, _length_bytes(n))
   check = struct.pack("<I", mask(crc))
   return b"".join(lengths) + check, google_crc32c.extend(crc, check)
 
@@ -303,7 +308,7 @@ def _strings(data, count):
       if b < 0x80:
         break
     lengths.append(n)
-    crc = google_crc32c.extend(crc, struct.pack("<I" if n <= 0xFFFFFFFF else "<Q", n))
+    crc = google_crc32c.extend(crc, _length_bytes(n))
   check = bytes(data[at:at + 4])
   if len(check) != 4 or struct.unpack("<I", check)[0] != mask(crc):
     raise ValueError("the string lengths do not match their CRC32C")
