@@ -11,12 +11,16 @@ Parts (--parts, all by default), each measured side by side in one run:
   restore     one process, 256 MB and 1 GB of state: process start to the first
               step and the restore call alone, from the local tier (/dev/shm)
               and from the persistent tier (the VM disk), the latter with the
-              page cache dropped first (cold) and not (warm).
+              page cache dropped first (cold) and not (warm). Each local
+              restore call is split into its phases (tfdp.checkpoint.
+              restore_phases), each beside its floor measured in the same
+              process over the same slot (map, CRC32C, memcpy, read).
   peer        2 workers (tfdp-launch, MultiWorkerMirroredStrategy): restore with
               both local copies, with worker 1's deleted (peer recovery: worker 0
               sends the copy's files over the side channel) and from the
               persistent tier; beside a raw TCP transfer of the same bytes from
-              worker 0 to worker 1 in the same run (the floor).
+              worker 0 to worker 1 in the same run (the floor); the slowest
+              worker's restore call split into its phases, as above.
   chaos       the fault-tolerance tests' 2-worker job with 5 seeded SIGKILLs at
               steps, with local saves every step, every "auto" steps and without:
               goodput and the steps recomputed per failure.
@@ -243,6 +247,7 @@ def _restore_child():
   """
   stamps = {"start": float(os.environ["BENCH_T0"])}
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint import restore_phases  # pylint: disable=g-import-not-at-top
   strategy = _strategy()
   variables, step = _state(strategy, FLAGS.mb)
   mgr = _manager(variables, step, strategy, FLAGS.work, local=FLAGS.variant != "persistent")
@@ -262,8 +267,12 @@ def _restore_child():
     print("ready", flush=True)
     sys.stdin.readline()
   stamps["go"] = time.time()
+  restore_phases.take()
   prefix = mgr.restore_or_initialize()
   stamps["restored"] = time.time()
+  stamps["phases"] = restore_phases.take()
+  if mgr.restored_tier in ("local", "peer"):
+    stamps["floors"] = _floors(prefix)
   train_step()
   stamps["first_step"] = time.time()
   got = int(step.numpy())
@@ -280,6 +289,47 @@ def _restore_child():
     raise RuntimeError(f"{FLAGS.variant}: restored {prefix} (tier {mgr.restored_tier}), "
                        f"step {got} after one step, expected {want}")
   _write(dict(stamps, tier=mgr.restored_tier, prefix=prefix), per_worker=True)
+
+
+def _floors(prefix):
+  """Seconds of each restore phase's floor, in this process, over the slot local copy `prefix` is in.
+
+  map: the slot mapped and faulted in (as the restore maps it); crc32c:
+  google-crc32c over each tensor's bytes; memcpy_new: numpy copies of them
+  into memory never touched before (as TF's tensors of the restore are);
+  memcpy_reused: the same into that memory again; read: the file read
+  into that memory (no mapping).
+  """
+  import google_crc32c  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint import slots  # pylint: disable=g-import-not-at-top
+  record = manifest_lib.read_manifest(prefix).slot
+  path = os.path.join(os.path.dirname(prefix), record.name)
+  out = {}
+  t = time.perf_counter()
+  mapped = slots.open_read(path, record.size)
+  out["map"] = time.perf_counter() - t
+  view = np.frombuffer(mapped, np.uint8)
+  parts = [view[e.offset:e.offset + e.size] for e in record.entries]
+  t = time.perf_counter()
+  for p in parts:
+    google_crc32c.value(p)
+  out["crc32c"] = time.perf_counter() - t
+  t = time.perf_counter()
+  copies = [np.copy(p) for p in parts]
+  out["memcpy_new"] = time.perf_counter() - t
+  t = time.perf_counter()
+  for c, p in zip(copies, parts):
+    np.copyto(c, p)
+  out["memcpy_reused"] = time.perf_counter() - t
+  t = time.perf_counter()
+  with open(path, "rb", buffering=0) as f:
+    for c, e in zip(copies, record.entries):
+      f.seek(e.offset)
+      f.readinto(memoryview(c))
+  out["read"] = time.perf_counter() - t
+  return out
 
 
 def _raw_transfer(strategy, nbytes):
@@ -454,17 +504,57 @@ def _throughput_part(base, log):
 
 
 def _restore_row(samples, **row):
-  for key in samples[0]:
-    row[key] = bench_common.median([s[key] for s in samples])
+  for key in dict.fromkeys(k for s in samples for k in s):
+    row[key] = bench_common.median([s[key] for s in samples if key in s])
   return row
 
 
+# Phases of a restore call on the restoring thread (tfdp.checkpoint.restore_phases),
+# in order; allocate, recv and land_check run inside `wait` on the side
+# channel's thread.
+_PHASES = ("held", "agree", "index", "before_restore", "map", "check", "views", "plan",
+           "tensors", "assign", "per_worker", "send", "wait", "commit")
+_INNER_PHASES = ("allocate", "recv", "land_check")
+
+
 def _timings(ws):
-  """Seconds of one restore (the slowest worker): to the first step, excluding a handshake wait."""
-  return {"to_first_step_s": max((w["ready"] - w["start"]) + (w["first_step"] - w["go"])
-                                 for w in ws),
-          "restore_s": max(w["restored"] - w["go"] for w in ws),
-          "tf_restore_again_s": max(w["tf_restore_again_s"] for w in ws)}
+  """Seconds of one restore (the slowest worker): to the first step, excluding a handshake wait.
+
+  With the slowest worker's phases (`phase_<name>_s`, `phase_other_s`: the
+  rest of its restore call) and their floors in its process (`floor_<name>_s`).
+  """
+  slowest = max(ws, key=lambda w: w["restored"] - w["go"])
+  out = {"to_first_step_s": max((w["ready"] - w["start"]) + (w["first_step"] - w["go"])
+                                for w in ws),
+         "restore_s": slowest["restored"] - slowest["go"],
+         "tf_restore_again_s": max(w["tf_restore_again_s"] for w in ws)}
+  phases = slowest.get("phases", {})
+  for name, seconds in phases.items():
+    out[f"phase_{name}_s"] = seconds
+  out["phase_other_s"] = out["restore_s"] - sum(phases.get(p, 0.0) for p in _PHASES)
+  for name, seconds in slowest.get("floors", {}).items():
+    out[f"floor_{name}_s"] = seconds
+  return out
+
+
+def _print_phases(rows, keys):
+  """One line per row: where its restore call's time went, each phase beside its floor."""
+  floors = {"map": "map", "check": "crc32c", "tensors": "memcpy_new", "recv": "raw_transfer"}
+  print("  phases of the slowest worker's restore call, s (floor in the same process):")
+  for r in rows:
+    parts = []
+    for name in _PHASES + _INNER_PHASES + ("other",):
+      if f"phase_{name}_s" not in r:
+        continue
+      text = f"{name} {r[f'phase_{name}_s']:.3f}"
+      floor = r.get(f"floor_{floors.get(name)}_s", r.get(f"{floors.get(name)}_s"))
+      if floor is not None:
+        text += f" ({floor:.3f})"
+      parts.append(text)
+    extra = [f"{k} {r[f'floor_{k}_s']:.3f}" for k in ("memcpy_reused", "read")
+             if f"floor_{k}_s" in r]
+    print(f"  {' '.join(str(r[k]) for k in keys)}: restore call {r['restore_s']:.3f} = "
+          + ", ".join(parts) + (f"; floors: {', '.join(extra)}" if extra else ""))
 
 
 def _restore_part(base, log, sizes):
@@ -514,6 +604,7 @@ def _restore_part(base, log, sizes):
       ("to_first_step_s", "start to 1st step s", "{:.2f}"),
       ("restore_s", "restore call s", "{:.3f}"),
       ("tf_restore_again_s", "TF restore again s", "{:.3f}")]))
+  _print_phases([r for r in rows if r["tier"] == "local"], ("state_MB", "tier", "cache"))
   ratios = {}
   for mb in sizes:
     by = {(r["tier"], r["cold"]): r for r in rows if r["state_MB"] == mb}
@@ -572,6 +663,7 @@ def _peer_part(base, log, sizes):
       ("to_first_step_s", "launch to 1st step s", "{:.2f}"),
       ("restore_s", "restore call s", "{:.3f}"),
       ("tf_restore_again_s", "TF restore again s", "{:.3f}")]))
+  _print_phases([r for r in rows if r["tier"] != "persistent"], ("state_MB", "tier"))
   ratios = {}
   for mb in sizes:
     by = {r["tier"]: r for r in rows if r["state_MB"] == mb}

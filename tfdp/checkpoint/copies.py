@@ -25,6 +25,7 @@ from tfdp.checkpoint import faults
 from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint import restore_phases
 from tfdp.checkpoint import slots
 from tfdp.checkpoint import storage
 from tfdp.checkpoint import wire
@@ -164,8 +165,10 @@ class Incoming:
       ConnectionError: the sender stopped in the middle.
       wire.Refused: a tensor's bytes do not match the offered record.
     """
+    with restore_phases.timed("allocate"):
+      dst = self.slot.writable(self.size)
     try:
-      slots.receive(conn.recv_into, self.slot.writable(self.size), self.manifest.slot.entries)
+      slots.receive(conn.recv_into, dst, self.manifest.slot.entries)
     except ValueError as e:
       raise wire.Refused(f"a copy whose bytes do not match its record: {e}", "crc") from None
 

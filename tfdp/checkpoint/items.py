@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -15,6 +16,7 @@ from tensorflow.python.training.saving import saveable_object
 from tfdp import errors
 from tfdp.checkpoint.planner import Item
 from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import restore_phases
 from tfdp.checkpoint.planner import OBJECT_GRAPH_KEY
 
 
@@ -140,6 +142,7 @@ def restore_values(checkpoint: tf.train.Checkpoint, values: dict) -> bool:
   saves now, an object has some of its keys and not all, or a dtype or
   shape differs (TF's restore then defers or reports it).
   """
+  start = time.perf_counter()
   serialized, _, registered, _ = checkpoint._saver._gather_serialized_tensors(None)  # pylint: disable=protected-access
   if registered:
     return False
@@ -168,13 +171,16 @@ def restore_values(checkpoint: tf.train.Checkpoint, values: dict) -> bool:
     seen.update(tensor_dict)
   if set(values) - seen - {OBJECT_GRAPH_KEY}:
     return False
+  restore_phases.add("plan", time.perf_counter() - start)
   for trackable, names in plan:
     if isinstance(trackable, python_state.PythonState):  # As TF's restore: its string, as is.
       (key,) = names.values()
       trackable.deserialize(values[key])
       continue
-    trackable._restore_from_tensors(  # pylint: disable=protected-access
-        {name: tf.constant(values[key]) for name, key in names.items()})
+    with restore_phases.timed("tensors"):
+      tensors = {name: tf.constant(values[key]) for name, key in names.items()}
+    with restore_phases.timed("assign"):
+      trackable._restore_from_tensors(tensors)  # pylint: disable=protected-access
   return True
 
 

@@ -12,6 +12,7 @@ from tfdp.checkpoint import copies
 from tfdp.checkpoint import generations
 from tfdp.checkpoint import local as local_lib
 from tfdp.checkpoint import restore as restore_lib
+from tfdp.checkpoint import restore_phases
 from tfdp.checkpoint import wire
 
 SLOTS = generations.MAX_KEEP  # Own copies and kept states each worker offers.
@@ -198,11 +199,13 @@ class TieredRestore:
       self.tried.append("a peer recovery that an earlier attempt did not finish")
     # Each failed round deletes a step's copies: bounded by what is held.
     for _ in range(2 * SLOTS + 2):
-      held = tier.held()
+      with restore_phases.timed("held"):
+        held = tier.held()
       link = tier.link is not None and tier.link.open
       row = offer(held, persistent_step, tier.kept_for_left(), no_peer=no_peer,
                   link=link or self._me.count == 1)
-      table = cluster.gather(row, self._me.strategy)
+      with restore_phases.timed("agree"):
+        table = cluster.gather(row, self._me.strategy)
       choice = choose(table)
       if choice.kind == "persistent":
         return None
@@ -248,7 +251,8 @@ class TieredRestore:
     try:
       if me == choice.holders[0]:
         for w in missing:
-          link.send_copy(w, choice.step, mine.manifest.to_json(), *tier.send_of(mine))
+          with restore_phases.timed("send"):
+            link.send_copy(w, choice.step, mine.manifest.to_json(), *tier.send_of(mine))
       if choice.per_worker:
         for w in missing:
           if (w + 1) % n == me:
@@ -263,8 +267,10 @@ class TieredRestore:
         header, blobs = link.wait(waits[1])
         own = wire.tensors_from_wire(header, blobs)
       seconds["transfer"] = time.perf_counter() - start
+      restore_phases.add("wait", seconds["transfer"])
       self._received = tier.receive(choice.step, offered, own)
       seconds["write"] = time.perf_counter() - start - seconds["transfer"]
+      restore_phases.add("commit", seconds["write"])
       outcome = self._restore(self._received, before_restore, per_worker=choice.per_worker)
       seconds["restore"] = time.perf_counter() - start - sum(seconds.values())
       return outcome
@@ -282,13 +288,15 @@ class TieredRestore:
     """
     layout = self._tier.layout
     try:
-      copies.readable(layout, held.prefix, held.manifest)
+      with restore_phases.timed("index"):
+        copies.readable(layout, held.prefix, held.manifest)
     except (OSError, TypeError, ValueError) as e:
       logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)
       return FAILED
     if before_restore is not None:
       try:
-        before_restore(held.prefix)
+        with restore_phases.timed("before_restore"):
+          before_restore(held.prefix)
       except Exception as e:  # pylint: disable=broad-except
         self._refusal = e
         return REFUSED
@@ -299,7 +307,8 @@ class TieredRestore:
     try:
       tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying)
       if per_worker:
-        self._restore_per_worker(held.prefix, held.manifest, copies.per_worker_reader(tensors))
+        with restore_phases.timed("per_worker"):
+          self._restore_per_worker(held.prefix, held.manifest, copies.per_worker_reader(tensors))
       return OK
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)
@@ -307,7 +316,8 @@ class TieredRestore:
 
   def _agree(self, outcome):
     """(The worst outcome of any worker, the workers where it failed); a refusal is raised everywhere."""
-    codes = cluster.gather([outcome], self._me.strategy)[:, 0]
+    with restore_phases.timed("agree"):
+      codes = cluster.gather([outcome], self._me.strategy)[:, 0]
     worst = int(codes.max())
     if worst == REFUSED:
       if outcome == REFUSED:

@@ -17,6 +17,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 
 import google_crc32c
 import numpy as np
@@ -24,6 +25,7 @@ import tensorflow as tf
 
 from tfdp import errors
 from tfdp.checkpoint import faults
+from tfdp.checkpoint import restore_phases
 from tfdp.checkpoint.manifest import SlotTensor
 
 COUNT = 2
@@ -363,10 +365,12 @@ def read(path: str, entries: list, size: int) -> dict:
     CorruptCheckpointError: naming the first tensor whose bytes do not match.
   """
   try:
-    mapped = open_read(path, size)
+    with restore_phases.timed("map"):
+      mapped = open_read(path, size)
   except (OSError, ValueError) as e:
     raise errors.CorruptCheckpointError(f"{path}: cannot map {size} bytes: {e}") from e
   view = np.frombuffer(mapped, np.uint8) if size else np.zeros(0, np.uint8)
+  start = time.perf_counter()
   for e in entries:
     data = view[e.offset:e.offset + e.size]
     try:
@@ -377,7 +381,9 @@ def read(path: str, entries: list, size: int) -> dict:
       raise errors.CorruptCheckpointError(
           f"{path}: tensor {e.key!r} does not match its CRC32C (bytes {e.offset}-"
           f"{e.offset + e.size} of the slot are corrupt)")
-  return {e.key: value_of(e, view[e.offset:e.offset + e.size]) for e in entries}
+  restore_phases.add("check", time.perf_counter() - start)
+  with restore_phases.timed("views"):
+    return {e.key: value_of(e, view[e.offset:e.offset + e.size]) for e in entries}
 
 
 def receive(recv_into, dst: np.ndarray, entries: list) -> None:
@@ -390,9 +396,12 @@ def receive(recv_into, dst: np.ndarray, entries: list) -> None:
     ValueError: naming the first tensor whose bytes do not match.
   """
   numeric = sorted((e for e in entries if e.dtype != "string"), key=lambda e: e.offset)
-  crcs, i, pos = {}, 0, 0
+  crcs, i, pos, waited = {}, 0, 0, 0.0
+  start = time.perf_counter()
   while pos < len(dst):
+    t = time.perf_counter()
     k = recv_into(dst[pos:pos + _CHUNK])
+    waited += time.perf_counter() - t
     if not k:
       raise ConnectionError("the sender stopped in the middle of the copy")
     end = pos + k
@@ -413,3 +422,5 @@ def receive(recv_into, dst: np.ndarray, entries: list) -> None:
   for e in entries:
     if e.dtype == "string" and crc_of(e, dst[e.offset:e.offset + e.size]) != e.crc32c:
       raise ValueError(f"tensor {e.key!r} does not match its CRC32C")
+  restore_phases.add("recv", waited)
+  restore_phases.add("land_check", time.perf_counter() - start - waited)
