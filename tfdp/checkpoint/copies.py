@@ -110,7 +110,7 @@ def readable(layout: layout_lib.Layout, prefix: str, man: manifest_lib.Manifest)
 
 
 def restore(checkpoint, layout: layout_lib.Layout, prefix: str, man: manifest_lib.Manifest,
-            applying=None) -> dict:
+            applying=None, received: bool = False) -> dict:
   """Restores copy `prefix` into `checkpoint`: maps its slot, checks every CRC32C, then assigns.
 
   Nothing is assigned unless every tensor's bytes match. When the slot's
@@ -125,6 +125,9 @@ def restore(checkpoint, layout: layout_lib.Layout, prefix: str, man: manifest_li
     prefix: the copy.
     man: its manifest (checked by `check`).
     applying: called once the bytes are checked, before anything is assigned.
+    received: the copy was received by this process a moment ago (`Incoming.receive`
+      checked every tensor's CRC32C as its bytes landed in the slot, and
+      nothing wrote the slot since): its bytes are not checked again.
 
   Returns:
     {key: value} of every tensor of the copy (arrays viewing the mapping).
@@ -133,7 +136,8 @@ def restore(checkpoint, layout: layout_lib.Layout, prefix: str, man: manifest_li
     CorruptCheckpointError: naming the first tensor whose bytes do not match.
   """
   check(layout, prefix, man)
-  tensors = slots.read(layout.slot(slot_index(layout, man)), man.slot.entries, man.slot.size)
+  tensors = slots.read(layout.slot(slot_index(layout, man)), man.slot.entries, man.slot.size,
+                       checked=received)
   if applying is not None:
     applying()
   root = layout_lib.PER_WORKER_ROOT + "/"

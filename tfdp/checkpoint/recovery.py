@@ -271,7 +271,8 @@ class TieredRestore:
       self._received = tier.receive(choice.step, offered, own)
       seconds["write"] = time.perf_counter() - start - seconds["transfer"]
       restore_phases.add("commit", seconds["write"])
-      outcome = self._restore(self._received, before_restore, per_worker=choice.per_worker)
+      outcome = self._restore(self._received, before_restore, per_worker=choice.per_worker,
+                              received=True)
       seconds["restore"] = time.perf_counter() - start - sum(seconds.values())
       return outcome
     except Exception as e:  # pylint: disable=broad-except
@@ -279,12 +280,14 @@ class TieredRestore:
                       choice.step, e)
       return FAILED
 
-  def _restore(self, held, before_restore, per_worker=True):
+  def _restore(self, held, before_restore, per_worker=True, received=False):
     """Restores one local copy; returns OK, FAILED or REFUSED (before_restore raised).
 
     Every tensor's CRC32C is checked before anything is assigned: a damaged
-    copy changes nothing. TF can read the copy from here on (for
-    `before_restore`'s checks and what reads the restored copy after).
+    copy changes nothing (a copy `received` from a peer a moment ago was
+    checked as its bytes landed, and is not checked again). TF can read the
+    copy from here on (for `before_restore`'s checks and what reads the
+    restored copy after).
     """
     layout = self._tier.layout
     try:
@@ -305,7 +308,8 @@ class TieredRestore:
       self.applied = True  # From here on the state may be changed, even if it fails.
 
     try:
-      tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying)
+      tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying,
+                               received)
       if per_worker:
         with restore_phases.timed("per_worker"):
           self._restore_per_worker(held.prefix, held.manifest, copies.per_worker_reader(tensors))
