@@ -180,8 +180,8 @@ def test_a_restart_takes_the_newer_local_copy_without_reading_the_persistent_one
   assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-20", "ckpt-25"]
   read = []
   real = copies.restore
-  monkeypatch.setattr(copies, "restore", lambda c, l, p, m, a=None: (read.append(p), real(
-      c, l, p, m, a))[1])
+  monkeypatch.setattr(copies, "restore", lambda c, l, p, m, a=None, **kw: (read.append(p), real(
+      c, l, p, m, a, **kw))[1])
   monkeypatch.setattr(restore_lib, "restore_verified", None)  # The persistent tier is not read.
   again = run.restart()
   prefix = again.manager.restore_or_initialize()

@@ -309,7 +309,7 @@ class TieredRestore:
 
     try:
       tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying,
-                               received)
+                               received=received)
       if per_worker:
         with restore_phases.timed("per_worker"):
           self._restore_per_worker(held.prefix, held.manifest, copies.per_worker_reader(tensors))
