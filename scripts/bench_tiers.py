@@ -521,40 +521,50 @@ def _timings(ws):
   """Seconds of one restore (the slowest worker): to the first step, excluding a handshake wait.
 
   With the slowest worker's phases (`phase_<name>_s`, `phase_other_s`: the
-  rest of its restore call) and their floors in its process (`floor_<name>_s`).
+  rest of its restore call) and their floors in its process (`floor_<name>_s`);
+  those of worker i, when it is not the slowest, with `w<i>_` before them.
   """
   slowest = max(ws, key=lambda w: w["restored"] - w["go"])
   out = {"to_first_step_s": max((w["ready"] - w["start"]) + (w["first_step"] - w["go"])
                                 for w in ws),
          "restore_s": slowest["restored"] - slowest["go"],
          "tf_restore_again_s": max(w["tf_restore_again_s"] for w in ws)}
-  phases = slowest.get("phases", {})
-  for name, seconds in phases.items():
-    out[f"phase_{name}_s"] = seconds
-  out["phase_other_s"] = out["restore_s"] - sum(phases.get(p, 0.0) for p in _PHASES)
-  for name, seconds in slowest.get("floors", {}).items():
-    out[f"floor_{name}_s"] = seconds
+  for i, w in enumerate(ws):
+    tag = "" if w is slowest else f"w{i}_"
+    phases = w.get("phases", {})
+    for name, seconds in phases.items():
+      out[f"{tag}phase_{name}_s"] = seconds
+    out[f"{tag}phase_other_s"] = (w["restored"] - w["go"]) - sum(
+        phases.get(p, 0.0) for p in _PHASES)
+    for name, seconds in w.get("floors", {}).items():
+      out[f"{tag}floor_{name}_s"] = seconds
   return out
 
 
-def _print_phases(rows, keys):
-  """One line per row: where its restore call's time went, each phase beside its floor."""
+def _print_phases(rows, keys, workers=1):
+  """One line per row and worker: where its restore call's time went, each phase beside its floor."""
   floors = {"map": "map", "check": "crc32c", "tensors": "memcpy_new", "recv": "raw_transfer"}
-  print("  phases of the slowest worker's restore call, s (floor in the same process):")
+  print("  phases of each worker's restore call, s (floor in the same process):")
   for r in rows:
-    parts = []
-    for name in _PHASES + _INNER_PHASES + ("other",):
-      if f"phase_{name}_s" not in r:
-        continue
-      text = f"{name} {r[f'phase_{name}_s']:.3f}"
-      floor = r.get(f"floor_{floors.get(name)}_s", r.get(f"{floors.get(name)}_s"))
-      if floor is not None:
-        text += f" ({floor:.3f})"
-      parts.append(text)
-    extra = [f"{k} {r[f'floor_{k}_s']:.3f}" for k in ("memcpy_reused", "read")
-             if f"floor_{k}_s" in r]
-    print(f"  {' '.join(str(r[k]) for k in keys)}: restore call {r['restore_s']:.3f} = "
-          + ", ".join(parts) + (f"; floors: {', '.join(extra)}" if extra else ""))
+    for i in range(workers):
+      tag = f"w{i}_" if any(k.startswith(f"w{i}_") for k in r) else ""
+      label = " ".join(str(r[k]) for k in keys) + (
+          f" worker {i}{'' if tag else ' (the slowest)'}" if workers > 1 else "")
+      total = r["restore_s"] if not tag else r[f"{tag}phase_other_s"] + sum(
+          r.get(f"{tag}phase_{p}_s", 0.0) for p in _PHASES)
+      parts = []
+      for name in _PHASES + _INNER_PHASES + ("other",):
+        if f"{tag}phase_{name}_s" not in r:
+          continue
+        text = f"{name} {r[f'{tag}phase_{name}_s']:.3f}"
+        floor = r.get(f"{tag}floor_{floors.get(name)}_s", r.get(f"{floors.get(name)}_s"))
+        if floor is not None:
+          text += f" ({floor:.3f})"
+        parts.append(text)
+      extra = [f"{k} {r[f'{tag}floor_{k}_s']:.3f}" for k in ("memcpy_reused", "read")
+               if f"{tag}floor_{k}_s" in r]
+      print(f"  {label}: restore call {total:.3f} = " + ", ".join(parts)
+            + (f"; floors: {', '.join(extra)}" if extra else ""))
 
 
 def _restore_part(base, log, sizes):
@@ -663,7 +673,7 @@ def _peer_part(base, log, sizes):
       ("to_first_step_s", "launch to 1st step s", "{:.2f}"),
       ("restore_s", "restore call s", "{:.3f}"),
       ("tf_restore_again_s", "TF restore again s", "{:.3f}")]))
-  _print_phases([r for r in rows if r["tier"] != "persistent"], ("state_MB", "tier"))
+  _print_phases([r for r in rows if r["tier"] != "persistent"], ("state_MB", "tier"), workers=2)
   ratios = {}
   for mb in sizes:
     by = {r["tier"]: r for r in rows if r["state_MB"] == mb}
