@@ -14,8 +14,5 @@ tfdp_venv() {
   fi
   echo "==> installing tfdp${extras} into .venv (TensorFlow is large: a minute or two the first time)"
   .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-  # --no-compile: pip would byte-compile every module of TensorFlow and its dependencies (about
-  # 17 s of a 49 s install on 2 cores); Python compiles the few thousand a process imports on
-  # first use instead, once, into the same __pycache__ folders.
-  .venv/bin/python -m pip install --quiet --no-compile -e ".${extras}"
+  .venv/bin/python -m pip install --quiet -e ".${extras}"
 }
