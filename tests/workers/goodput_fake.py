@@ -4,9 +4,9 @@ Usage: goodput_fake.py MODEL_DIR STEPS KILL_AT [STEP_SECONDS SAVE_EVERY BEAT_EVE
 Every worker resumes from the newest "checkpoint" (MODEL_DIR/ckpt, a step
 the chief writes every SAVE_EVERY steps) as the chief read it, steps every STEP_SECONDS, beats
 its heartbeat file (when tfdp-launch gives one) at every BEAT_EVERY-th step,
-and, in a run that restored nothing, stops at step KILL_AT: the chief
-SIGKILLs itself there, the others wait as in a collective that the chief
-never joins. BEAT_EVERY > 1 stands for tfdp.heartbeat.Heartbeat's 4 beats a
+and, in a run that restored nothing, stops at step KILL_AT: once every
+worker has reached it (a step is collective) the chief SIGKILLs itself
+there, and the others wait as in a collective that the chief never joins. BEAT_EVERY > 1 stands for tfdp.heartbeat.Heartbeat's 4 beats a
 second over fast steps. Every worker keeps a tfdp.goodput.Recorder (the
 chief records); at the end the chief prints whether TensorFlow was loaded.
 Without tfdp-launch it runs as the chief of one worker.
@@ -53,6 +53,27 @@ def _restore(model_dir, ckpt, chief):
   return None if text == "None" else int(text)
 
 
+def _meet(model_dir, step, chief):
+  """Every worker reaches `step` before the chief dies there, as a collective step ensures.
+
+  Without it a worker started late (a loaded machine) would still be steps
+  behind when the chief is SIGKILLed, which no synchronous job can be.
+  """
+  start = os.environ.get("TFDP_ATTEMPT_START", "none")
+  index = os.environ.get("TFDP_WORKER_INDEX", "0")
+  mark = os.path.join(model_dir, f"reached-{step}-{start}")
+  if not chief:
+    with open(f"{mark}-{index}", "w", encoding="utf-8"):
+      pass
+    return
+  others = range(1, int(os.environ.get("TFDP_NUM_WORKERS", "1")))
+  deadline = time.monotonic() + 120
+  while not all(os.path.exists(f"{mark}-{i}") for i in others):
+    if time.monotonic() > deadline:
+      sys.exit(f"the other workers never reached step {step}")
+    time.sleep(0.005)
+
+
 def main():
   model_dir, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
   step_seconds, save_every, beat_every = STEP_SECONDS, SAVE_EVERY, 1
@@ -73,6 +94,7 @@ def main():
         f.write(f"{step} {time.time()}\n")
     recorder.step(step)
     if restored is None and step == kill_at:
+      _meet(model_dir, kill_at, chief)
       if chief:
         os.kill(os.getpid(), signal.SIGKILL)
       time.sleep(60)
