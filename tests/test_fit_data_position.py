@@ -110,12 +110,20 @@ def test_fit_without_a_strategy_killed_mid_epoch_resumes_bitwise(mirrored):
 
 
 def test_uninterrupted_fit_trains_on_what_stock_tf_distributes(mirrored):
-  """The checkpointable iterators yield TF's own elements: same weights as with the hooks off."""
+  """The checkpointable iterators yield TF's own elements: same weights as with the hooks off.
+
+  Two processes that differ in their input path, not bitwise: one fresh-clone
+  suite run (2026-12-03) saw 3.3e-7 between them once (a float32 rounding in
+  some step; 12 runs of the pair under load were bitwise equal, cause not
+  isolated). Another shuffle order moves every weight by more than 1e-5
+  (measured: median 3.5e-3, max 1.3e-2): the tolerance still tells the
+  elements apart, by two orders of magnitude.
+  """
   root, runs = mirrored
   code, out = runs["stock"]
   assert "RESULT mode=finite worker=0" in out, out[-3000:]  # finite ran to its end first
-  np.testing.assert_array_equal(_weights(root / "ref", "finite"),
-                                _weights(root / "stock", "finite"))
+  np.testing.assert_allclose(_weights(root / "ref", "finite"),
+                             _weights(root / "stock", "finite"), rtol=0, atol=1e-5)
 
 
 def test_backup_without_data_position_restores_with_a_warning(mirrored):
