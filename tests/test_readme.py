@@ -81,6 +81,11 @@ def test_python_example_runs_and_resumes(example_runs):
   for code, out in example_runs["launched"]:
     assert code == 0, out[-3000:]
   assert len(example_runs["launched"]) == 2
+  # The second run of each pair has nothing left to train, and says so (the chief, once).
+  line = "tfdp.fit: the model is at step 48, at or past train_steps=48; nothing to train."
+  assert example_runs["alone"][1][1].count(line) == 1, example_runs["alone"][1][1][-3000:]
+  assert example_runs["launched"][1][1].count(line) == 1, example_runs["launched"][1][1][-3000:]
+  assert line not in example_runs["alone"][0][1] + example_runs["launched"][0][1]
   ckpts = two / "runs" / "example"
   assert sorted(f for f in os.listdir(ckpts) if f.endswith(".index")) == [
       "ckpt-16.index", "ckpt-32.index", "ckpt-48.index"]

@@ -38,6 +38,20 @@ def _train(strategy, steps=6, start=0, weights=None):
   return [v.numpy() for v in model.weights]
 
 
+def test_a_model_at_or_past_train_steps_says_so_and_trains_nothing(capsys):
+  """A rerun of a finished script: one line, no fit call (verbose=0 keeps it silent)."""
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile(optimizer="sgd", loss="mse")
+  model.optimizer.iterations.assign(12)
+  made = []
+  histories = training.fit(model, made.append, train_steps=12, steps_per_epoch=4)
+  assert histories == [] and made == []
+  assert capsys.readouterr().out == (
+      "tfdp.fit: the model is at step 12, at or past train_steps=12; nothing to train.\n")
+  assert training.fit(model, made.append, train_steps=8, steps_per_epoch=4, verbose=0) == []
+  assert capsys.readouterr().out == ""
+
+
 def test_two_mirrored_replicas_match_one_device():
   single = _train(tf.distribute.get_strategy())
   mirrored = _train(S.make_strategy("mirrored", cpu_replicas=2))

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 import keras
 
 from tfdp import backup as backup_lib
+from tfdp import cluster
 from tfdp import errors
 from tfdp import state as state_lib
 
@@ -94,6 +95,10 @@ def fit(model: keras.Model, make_dataset: Callable[[int], Any], *, steps_per_epo
       for backup in backups:
         backup.restore(model)
       start_step = state_lib.global_step(model)
+    if start_step >= train_steps and verbose != 0 and cluster.resolve(objects=model).is_chief:
+      # A rerun of a finished script: say so, rather than exit without a word.
+      print(f"tfdp.fit: the model is at step {start_step}, at or past train_steps="
+            f"{train_steps}; nothing to train.", flush=True)
     for seg in plan(start_step, train_steps, steps_per_epoch):
       # A restore by Keras's own BackupAndRestore leaves this set; it would
       # override the segment's first epoch.
