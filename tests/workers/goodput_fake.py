@@ -6,8 +6,9 @@ the chief writes every SAVE_EVERY steps) as the chief read it, steps every STEP_
 its heartbeat file (when tfdp-launch gives one) at every BEAT_EVERY-th step,
 and, in a run that restored nothing, stops at step KILL_AT: once every
 worker has reached it (a step is collective) the chief SIGKILLs itself
-there, and the others wait as in a collective that the chief never joins. BEAT_EVERY > 1 stands for tfdp.heartbeat.Heartbeat's 4 beats a
-second over fast steps. Every worker keeps a tfdp.goodput.Recorder (the
+there, and the others wait as in a collective that the chief never joins.
+BEAT_EVERY > 1 stands for tfdp.heartbeat.Heartbeat's 4 beats a second over
+fast steps. Every worker keeps a tfdp.goodput.Recorder (the
 chief records); at the end the chief prints whether TensorFlow was loaded.
 Without tfdp-launch it runs as the chief of one worker.
 """
@@ -22,6 +23,15 @@ from tfdp import goodput
 STEP_SECONDS = 0.05  # attempt 0 outlasts goodput.WRITE_INTERVAL
 SAVE_EVERY = 5
 SAVE_SECONDS = 0.02
+
+
+def _wait_for(paths, why):
+  """Polls until every file of `paths` exists; exits with `why` after 120 s."""
+  deadline = time.monotonic() + 120
+  while not all(os.path.exists(p) for p in paths):
+    if time.monotonic() > deadline:
+      sys.exit(why)
+    time.sleep(0.005)
 
 
 def _restore(model_dir, ckpt, chief):
@@ -43,11 +53,7 @@ def _restore(model_dir, ckpt, chief):
         f.write(str(restored))
       os.replace(answer + ".tmp", answer)
     return restored
-  deadline = time.monotonic() + 120
-  while not os.path.exists(answer):
-    if time.monotonic() > deadline:
-      sys.exit(f"no answer from the chief in {answer}")
-    time.sleep(0.01)
+  _wait_for([answer], f"no answer from the chief in {answer}")
   with open(answer, encoding="utf-8") as f:
     text = f.read()
   return None if text == "None" else int(text)
@@ -67,11 +73,7 @@ def _meet(model_dir, step, chief):
       pass
     return
   others = range(1, int(os.environ.get("TFDP_NUM_WORKERS", "1")))
-  deadline = time.monotonic() + 120
-  while not all(os.path.exists(f"{mark}-{i}") for i in others):
-    if time.monotonic() > deadline:
-      sys.exit(f"the other workers never reached step {step}")
-    time.sleep(0.005)
+  _wait_for([f"{mark}-{i}" for i in others], f"the other workers never reached step {step}")
 
 
 def main():
