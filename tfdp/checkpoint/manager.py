@@ -241,7 +241,8 @@ class CheckpointManager(local_face.LocalFace):
     save_id = f"{self._session}-{self._seq:06d}"
     job = storage.SaveJob(
         layout=self._layout, prefix=prefix, tmp_dir=self._layout.tmp_dir(save_id, number),
-        save_id=save_id, worker=self._me.index, num_workers=self._me.count, files=files,
+        save_id=save_id, session=self._session, worker=self._me.index,
+        num_workers=self._me.count, files=files,
         timeout=self._timeout, meta=meta,
         kept=tuple(os.path.basename(e.prefix) for e in sweep.kept),
         fence=self._lease.check if self._me.is_chief else None)

@@ -17,6 +17,7 @@ from tfdp.checkpoint import faults
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import lease as lease_lib
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import planner
 
@@ -28,6 +29,7 @@ class SaveJob:
   prefix: str  # Final prefix, e.g. /dir/ckpt-7.
   tmp_dir: str  # Shared by all workers of this save.
   save_id: str  # The session and this save's sequence number: same on every worker.
+  session: str  # The job's session, which the directory's lease names.
   worker: int
   num_workers: int
   files: list[list[planner.Item]]  # This worker's part of the SavePlan.
@@ -288,7 +290,16 @@ def _commit(job):
   return man
 
 
+# A worker waiting for the chief's commit gives up once the directory's lease
+# has not named its job for this long: the chief's commit (fenced by the
+# lease) can no longer come. Longer than a chief's gap between releasing the
+# lease (close()) and taking it again (a save after close()).
+LEASE_GONE_S = 20.0
+
+
 def _wait_for_commit(job):
+  not_ours_since = []
+
   def check():
     m = manifest_lib.read_manifest(job.prefix)
     if m is not None and m.session == job.save_id:
@@ -297,13 +308,28 @@ def _wait_for_commit(job):
     if failed is not None:
       raise errors.CheckpointError(
           f"Checkpoint {job.prefix} not committed: the chief failed: {failed['error']}")
+    # No commit can come: waiting out the timeout would only hide that.
     if not fs.isdir(job.layout.directory):
-      # No commit can come: waiting out the timeout would only hide that.
       raise errors.CheckpointError(
           f"Checkpoint {job.prefix} not committed: {job.layout.directory} was "
           "deleted while this worker waited for the chief's commit. Something "
           "else removed it (another job, a script, or a callback that deleted "
           "its backup at the end of training).")
+    # Deleted while this worker wrote its shards, the directory exists again
+    # (this worker's own writes made it), without the lease.
+    held = lease_lib.read(job.layout.lease_path)
+    if held is not None and held.session == job.session:
+      not_ours_since.clear()
+    elif not not_ours_since:
+      not_ours_since.append(time.monotonic())
+    elif time.monotonic() - not_ours_since[0] > LEASE_GONE_S:
+      raise errors.CheckpointError(
+          f"Checkpoint {job.prefix} not committed: the lease of {job.layout.directory} "
+          f"has not named this job (session {job.session}) for {LEASE_GONE_S:.0f}s "
+          "while this worker waited for the chief's commit: the directory was deleted "
+          "(and written again), or another job took it over. Something else removed it "
+          "(another job, a script, or a callback that deleted its backup at the end of "
+          "training).")
     return None
 
   def timeout():
