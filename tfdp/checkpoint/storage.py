@@ -297,10 +297,15 @@ def _commit(job):
 LEASE_GONE_S = 20.0
 
 
+_REMOVED_BY = ("Something else removed it (another job, a script, or a callback that "
+               "deleted its backup at the end of training).")
+
+
 def _wait_for_commit(job):
-  not_ours_since = []
+  not_ours_since = None  # When the lease was first seen not naming this job.
 
   def check():
+    nonlocal not_ours_since
     m = manifest_lib.read_manifest(job.prefix)
     if m is not None and m.session == job.save_id:
       return m
@@ -312,24 +317,20 @@ def _wait_for_commit(job):
     if not fs.isdir(job.layout.directory):
       raise errors.CheckpointError(
           f"Checkpoint {job.prefix} not committed: {job.layout.directory} was "
-          "deleted while this worker waited for the chief's commit. Something "
-          "else removed it (another job, a script, or a callback that deleted "
-          "its backup at the end of training).")
+          f"deleted while this worker waited for the chief's commit. {_REMOVED_BY}")
     # Deleted while this worker wrote its shards, the directory exists again
     # (this worker's own writes made it), without the lease.
     held = lease_lib.read(job.layout.lease_path)
     if held is not None and held.session == job.session:
-      not_ours_since.clear()
-    elif not not_ours_since:
-      not_ours_since.append(time.monotonic())
-    elif time.monotonic() - not_ours_since[0] > LEASE_GONE_S:
+      not_ours_since = None
+    elif not_ours_since is None:
+      not_ours_since = time.monotonic()
+    elif time.monotonic() - not_ours_since > LEASE_GONE_S:
       raise errors.CheckpointError(
           f"Checkpoint {job.prefix} not committed: the lease of {job.layout.directory} "
           f"has not named this job (session {job.session}) for {LEASE_GONE_S:.0f}s "
           "while this worker waited for the chief's commit: the directory was deleted "
-          "(and written again), or another job took it over. Something else removed it "
-          "(another job, a script, or a callback that deleted its backup at the end of "
-          "training).")
+          f"(and written again), or another job took it over. {_REMOVED_BY}")
     return None
 
   def timeout():
