@@ -18,6 +18,8 @@ state, interleave cycle and prefetched elements) is the exact data position.
 from __future__ import annotations
 
 import threading
+import weakref
+
 from absl import logging
 import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
@@ -197,7 +199,7 @@ class _MakesIterators:
   def _setup(self, external_state_policy):
     self.external_state_policy = external_state_policy
     self.iterators_made = 0
-    self.current = None
+    self._current = None  # A weak reference: see `current`.
     # How many iterators after a restored one start from states taken before
     # the restore (tfdp.fit_hooks: 2 per epoch of the fit, what Keras makes).
     self.later_iterators = 0
@@ -205,6 +207,20 @@ class _MakesIterators:
     self._restored = False
     self._pending = None
     self._lock = threading.Lock()
+
+  @property
+  def current(self):
+    """The newest iterator made, while something else (Keras's fit, the user's loop) holds it; else None.
+
+    Held weakly, as `fit` holds its iterator: the iterator refers to this
+    dataset, so a strong reference would make a cycle that only Python's
+    cyclic GC frees. Until then the iterator's buffers stay in memory, and
+    its end falls on whatever code runs that collection. Freeing a tf.data
+    iterator can take seconds there (TF 2.21: the iterator's autotuning
+    thread may miss the wake-up of its cancellation and sleep out its
+    period, up to 60 s, while the freeing thread holds the GIL).
+    """
+    return self._current() if self._current is not None else None
 
   def set_pending(self, state: bytes | None, iterators_made: int, skip_steps: int = 0) -> None:
     """The next iterator made starts at `state` (None: fresh), as the `iterators_made`+1-th.
@@ -253,7 +269,7 @@ class _MakesIterators:
     it._dataset = self  # pylint: disable=protected-access
     self.iterators_made += 1
     it._index = self.iterators_made  # pylint: disable=protected-access
-    self.current = it
+    self._current = weakref.ref(it)
     return it
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import time
+import weakref
 
 from absl import logging
 import tensorflow as tf
@@ -156,8 +157,8 @@ REPLAY_MAX_STEPS = 2000
 
 @dataclasses.dataclass
 class _Base:
-  """A whole iterator state taken at `step`, of `iterator`."""
-  iterator: object
+  """A whole iterator state taken at `step`, of `iterator` (a weak reference: the base does not keep it alive)."""
+  iterator: weakref.ref
   state: tf.Tensor  # The variant: bytes are made by the checkpoint's writer.
   step: int
   seconds: float  # What taking it cost.
@@ -210,17 +211,21 @@ class DataPosition(trackable_base.Trackable):
   def _base_for(self, it, step: int) -> _Base:
     """The whole state to save this position against: the last one taken, or a new one when due."""
     base, now = self._base, time.perf_counter()
-    if (base is None or base.iterator is not it or step < base.step
+    if (base is None or base.iterator() is not it or step < base.step
         or step - base.step > REPLAY_MAX_STEPS
         or base.seconds < CAPTURE_BUDGET * (now - base.time)):
       start = time.perf_counter()
       variant = it.state_variant()
-      base = self._base = _Base(it, variant, step, time.perf_counter() - start, now)
+      base = self._base = _Base(weakref.ref(it), variant, step, time.perf_counter() - start, now)
     return base
 
   def _restore_from_tensors(self, restored_tensors):
     self.restored = {k: v.numpy() for k, v in restored_tensors.items()}
     return []
+
+  def fit_ended(self) -> None:
+    """The fit's iterator is gone: so goes the state taken of it (it holds that iterator's buffered elements)."""
+    self._base = None
 
 
 def resume_data(resume: Resume, model, backup_dir: str,
