@@ -13,6 +13,15 @@ tfdp_venv() {
     return 0
   fi
   echo "==> installing tfdp${extras} into .venv (TensorFlow is large: a minute or two the first time)"
+  # uv (from PyPI, into the venv) installs and byte-compiles on every core: about 21 s against
+  # pip's 51 s here. Byte-compiled, because where PYTHONDONTWRITEBYTECODE is set no process
+  # would cache what it compiles. pip is the fallback wherever uv cannot be had or fails.
+  if .venv/bin/python -m pip install --quiet "uv>=0.9,<1" >/dev/null 2>&1 &&
+     .venv/bin/python -m uv pip install --quiet --python .venv/bin/python --compile-bytecode \
+       -e ".${extras}"; then
+    return 0
+  fi
+  echo "==> uv could not install; installing with pip"
   .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
   .venv/bin/python -m pip install --quiet -e ".${extras}"
 }
