@@ -41,6 +41,7 @@ def _children(pid):
 def _launch(args, env=None, script=SCRIPT):
   full_env = shared.environ(TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
   full_env.pop("TF_CONFIG", None)
+  full_env.pop("TF_ENABLE_ONEDNN_OPTS", None)  # TF's default, as the user has it (conftest.py)
   return subprocess.Popen(
       [sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--", sys.executable, script]
       + args, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
