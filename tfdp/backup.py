@@ -360,8 +360,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       if self._preemption is not None:
         self._preemption.handler.uninstall()
       self._finish(self.model)
-    if self.position is not None:
-      self.position.data.fit_ended()
+    self.position.data.fit_ended()
 
   def _finish(self, model):
     """End of a completed run: the final save if asked, then the deletion if asked."""
