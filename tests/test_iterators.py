@@ -3,13 +3,20 @@
 The in-process tests mirror over 2 logical CPUs (tests/conftest.py).
 """
 
+import gc
+import weakref
+
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfdp import callbacks
 from tfdp import errors
+from tfdp import fit_hooks
 from tfdp import iterators
 from tfdp import iterator_state
+from tfdp import strategy as strategy_lib  # `strategy` is this file's fixture
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +127,6 @@ def test_fit_frees_the_iterators_it_made_when_it_returns(tmp_path, mirrored):
   wake-up of its cancellation and sleep out its autotuning period, up to
   60 s, holding the GIL (seen as 8-62 s stalls in this suite).
   """
-  import gc  # pylint: disable=g-import-not-at-top
-  import weakref  # pylint: disable=g-import-not-at-top
-  import keras  # pylint: disable=g-import-not-at-top
-  from tfdp import callbacks  # pylint: disable=g-import-not-at-top
-  from tfdp import fit_hooks  # pylint: disable=g-import-not-at-top
-  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
-
   made = []
 
   class Grab(keras.callbacks.Callback):
