@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, WORKERS, run_all
+from tests.conftest import REPO, WORKERS, run_all, users_environ
 from tests import shared
 from tests.shared import shared_run
 from tests.resume_run import committed_steps
@@ -39,9 +39,9 @@ def _children(pid):
 
 
 def _launch(args, env=None, script=SCRIPT):
-  full_env = shared.environ(TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+  # TF's defaults and Python's, as the user has them (conftest.py).
+  full_env = users_environ(shared.environ(TF_CPP_MIN_LOG_LEVEL="2", **(env or {})))
   full_env.pop("TF_CONFIG", None)
-  full_env.pop("TF_ENABLE_ONEDNN_OPTS", None)  # TF's default, as the user has it (conftest.py)
   return subprocess.Popen(
       [sys.executable, "-m", "tfdp.launch", "--num_workers=2", "--", sys.executable, script]
       + args, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
