@@ -15,7 +15,7 @@ import tensorflow as tf
 import tfdp
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.cli import ckpt
-from tests.conftest import REPO
+from tests.conftest import REPO, users_environ
 
 PY = sys.executable
 
@@ -180,8 +180,8 @@ def test_ls_imports_no_tensorflow(dirs):
 
 def test_no_tf_start_up_lines_on_stderr(dirs):
   # TF's defaults: every start-up line it logs (oneDNN's too, off in conftest.py).
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+  env = users_environ(os.environ)
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
   proc = subprocess.run([PY, "-m", "tfdp.cli.ckpt", "inspect", os.path.join(dirs["backup"],
                                                                               "ckpt-11")],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
