@@ -10,7 +10,7 @@ from tests.conftest import REPO, SITE, users_environ
 # Stand-ins for TensorFlow and Keras: each says whether the collector ran
 # while it was imported.
 _FAKE = "import gc\nCOLLECTOR_ON = gc.isenabled()\n"
-_REPORT = ("import builtins, gc, json, sys\n"
+_REPORT = ("import builtins, gc, json\n"
            "import tensorflow\n"
            "frozen_before_keras = gc.get_freeze_count()\n"
            "import keras\n"
