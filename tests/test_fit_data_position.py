@@ -5,8 +5,11 @@ MirroredStrategy over 2 CPU replicas in one process (_assert_same_training).
 
 tests/workers/data_resume.py is a plain Keras script with
 tfdp.callbacks.BackupAndRestore (TFRecord files, interleave, seeded shuffle,
-stateless augmentation, batch, prefetch; dropout; op determinism). One
-uninterrupted run per topology is shared by every assertion; independent
+stateless augmentation, batch, prefetch; dropout; op determinism). Per
+topology, one process (or job) trains every mode uninterrupted, one trains
+them as a chain and is SIGKILLed (each mode stops at its own kill step and
+trains the next there, inside its callback, so one kill leaves every mode
+mid-run), and one reruns them, as a user reruns a script. Independent
 processes run two at a time.
 """
 
@@ -62,8 +65,12 @@ def _assert_same_training(a, b):
 
 
 # mode -> (kill at global step, async saves): `background` saves, whose data
-# position is taken at the step of their variables.
-CUTS = {"finite": (20, "0"), "repeat": (7, "1"), "arrays": (26, "0"), "source": (17, "0")}
+# position is taken at the step of their variables. In this order in one
+# process (tests/workers/data_resume.py): `plain` (`finite` without a
+# strategy) first; `repeat` last, so that the kill lands on its background save.
+CUTS = {"plain": (8, "0"), "finite": (20, "0"), "arrays": (26, "0"), "source": (17, "0"),
+        "repeat": (7, "1")}
+CHAIN = ",".join(CUTS)
 COMPAT_OFF = {"TFDP_COMPAT_DISABLE": "fit_data_state"}
 
 
@@ -71,26 +78,21 @@ COMPAT_OFF = {"TFDP_COMPAT_DISABLE": "fit_data_state"}
 def mirrored_runs(root):
   """Every single-process run of this file, two processes at a time: {name: [code, output], "root"}.
 
-  Under root: ref/MODE (uninterrupted, every mode in one process); cut/MODE
-  (killed at CUTS, then resumed, one process each); stock/finite and
-  stock/repeat (the fit_data_state fix off: an uninterrupted finite run,
-  then repeat killed at 7, resumed with the fix on); one/ and one-cut/ (no
-  strategy: uninterrupted, and killed at 8, resumed).
+  Under root: ref/MODE (uninterrupted, every mode of CUTS in one process);
+  cut/MODE (one process trains the modes of CUTS in a chain: each stops at
+  its kill step and trains the next there, inside its callback, and the last
+  is SIGKILLed; then one process resumes them all, as a user reruns a
+  script); stock/finite and stock/repeat (the fit_data_state fix off: an
+  uninterrupted finite run, then repeat killed at 7, resumed with the fix on).
   """
   cut = {f"TFDP_TEST_ASYNC_{m.upper()}": a for m, (_, a) in CUTS.items()}
-  first = {"ref": lambda: _run(root / "ref", ",".join(MODES)),
+  kills = {f"TFDP_TEST_KILL_AT_{m.upper()}": str(k) for m, (k, _) in CUTS.items()}
+  first = {"ref": lambda: _run(root / "ref", CHAIN),
            "stock": lambda: _run(root / "stock", "finite,repeat",
                                  env=dict(COMPAT_OFF, TFDP_TEST_KILL_AT_REPEAT="7")),
-           "one": lambda: _run(root / "one", "finite", replicas=1),
-           "one-killed": lambda: _run(root / "one-cut", "finite", replicas=1,
-                                      env={"TFDP_TEST_KILL_AT": "8"})}
-  for mode, (kill_at, _) in CUTS.items():
-    first[f"killed-{mode}"] = lambda m=mode, k=kill_at: _run(
-        root / "cut", m, env=dict(cut, TFDP_TEST_KILL_AT=str(k)))
-  # Each resume in a process of its own, as a user reruns a script.
-  then = {f"resumed-{m}": lambda m=m: _run(root / "cut", m, env=cut) for m in CUTS}
-  then.update({"stock-resumed": lambda: _run(root / "stock", "repeat"),
-               "one-resumed": lambda: _run(root / "one-cut", "finite", replicas=1)})
+           "killed": lambda: _run(root / "cut", CHAIN, env=dict(cut, TFDP_TEST_CHAIN="1", **kills))}
+  then = {"resumed": lambda: _run(root / "cut", CHAIN, env=cut),
+          "stock-resumed": lambda: _run(root / "stock", "repeat")}
   done = dict(zip(first, run_all(list(first.values()))))
   done.update(zip(then, run_all(list(then.values()))))
   done["root"] = str(root)
@@ -103,29 +105,40 @@ def mirrored(mirrored_runs):
   return pathlib.Path(mirrored_runs["root"]), mirrored_runs
 
 
-@pytest.mark.parametrize("mode", sorted(CUTS))
+def _restored(out, mode):
+  """The step `mode` restored in a resumed run's output."""
+  found = re.search(rf"RESULT mode={mode} worker=0 steps=\d+ restored=(\d+)", out)
+  assert found, out[-3000:]
+  return int(found.group(1))
+
+
+def test_one_kill_leaves_every_mode_at_its_own_step(mirrored):
+  _, runs = mirrored
+  code, out = runs["killed"]
+  assert code == -9, out[-3000:]  # SIGKILLed after the step, not before its save
+  stops = re.findall(r"CHAIN mode=(\w+) stopped at step (\d+)", out)
+  assert stops == [(m, str(k)) for m, (k, _) in list(CUTS.items())[:-1]], out[-3000:]
+  assert "RESULT" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("mode", sorted(set(CUTS) - {"plain"}))
 def test_mirrored_fit_killed_mid_epoch_resumes_exactly(mirrored, mode):
   root, runs = mirrored
   kill_at = CUTS[mode][0]
-  code, out = runs[f"killed-{mode}"]
-  assert code == -9, out[-3000:]  # SIGKILLed after the step, not before its save
-  code, out = runs[f"resumed-{mode}"]
+  code, out = runs["resumed"]
   assert code == 0, out[-3000:]
-  restored = int(re.search(r"restored=(\d+)", out).group(1))
+  restored = _restored(out, mode)
   assert 0 < restored <= kill_at and restored % 3 == 0, out[-3000:]  # a mid-run backup
   _assert_same_training(_weights(root / "ref", mode), _weights(root / "cut", mode))
 
 
 def test_fit_without_a_strategy_killed_mid_epoch_resumes_bitwise(mirrored):
   root, runs = mirrored
-  code, out = runs["one"]
+  code, out = runs["ref"]
   assert code == 0, out[-3000:]
-  code, out = runs["one-killed"]
-  assert code == -9, out[-3000:]
-  code, out = runs["one-resumed"]
-  assert code == 0 and "restored=6" in out, out[-3000:]
-  np.testing.assert_array_equal(_weights(root / "one", "finite"),
-                                _weights(root / "one-cut", "finite"))
+  code, out = runs["resumed"]
+  assert code == 0 and _restored(out, "plain") == 6, out[-3000:]
+  np.testing.assert_array_equal(_weights(root / "ref", "plain"), _weights(root / "cut", "plain"))
 
 
 def test_uninterrupted_fit_trains_on_what_stock_tf_distributes(mirrored):
@@ -147,17 +160,19 @@ def test_backup_without_data_position_restores_with_a_warning(mirrored):
   assert "RESULT mode=repeat worker=0 steps=16 restored=6" in out
 
 
-# mode -> (kill at global step, env of both runs). By DATA, the backup also has
-# a local tier every 2 steps (in /dev/shm).
-TWO_WORKER_CUTS = {"finite": (8, {}),
-                   "data": (11, {"TFDP_TEST_LOCAL_EVERY_DATA": "2", "TFDP_TEST_KILL_DELAY": "1"})}
+# mode -> kill at global step, in this order in one job (a chain, as above;
+# worker 1 is SIGKILLed). By DATA, the backup also has a local tier every 2
+# steps (in /dev/shm), and the kill waits a second for its background save.
+TWO_WORKER_CUTS = {"finite": 8, "data": 11}
+TWO_WORKER_MODES = ",".join(TWO_WORKER_CUTS)
+TWO_WORKER_ENV = {"TFDP_TEST_LOCAL_EVERY_DATA": "2"}
 
 
 @shared_run("two_worker_reference_runs")
 def two_worker_reference_runs(root):
   """The uninterrupted 2-worker job, both modes in one: {"root", "ref": [code, output]}."""
   return {"root": str(root),
-          "ref": launch_workers([sys.executable, SCRIPT, str(root / "ref"), "finite,data"])}
+          "ref": launch_workers([sys.executable, SCRIPT, str(root / "ref"), TWO_WORKER_MODES])}
 
 
 @pytest.fixture(scope="module")
@@ -165,46 +180,29 @@ def two_workers(two_worker_reference_runs, tmp_path_factory):
   """Every 2-worker run of this file: {name: (code, output)} and the root.
 
   "ref" and "ref_root": the shared uninterrupted job (two_worker_reference_runs);
-  cut/MODE killed at TWO_WORKER_CUTS (worker 1 is SIGKILLed), then resumed;
-  moved/finite: the killed finite backup on 1 worker; "manifest-finite":
-  the newest manifest of cut/finite at the kill. The two chains run at once.
-  A replaced host (worker 1's local tier deleted as it is SIGKILLed) is
-  tests/test_recovery.py's, 5 times in one job.
+  "killed": one job trains the modes of TWO_WORKER_CUTS into cut/ as a chain
+  (finite stops at its step and trains data there; worker 1 is SIGKILLed in
+  data); "manifest-finite": the newest manifest of cut/finite at the kill;
+  then at once "moved" (the killed finite backup on 1 worker) and "resumed"
+  (the same job again). A replaced host (worker 1's local tier deleted as
+  it is SIGKILLed) is tests/tier_runs.py's, 5 times in one job.
   """
   root = tmp_path_factory.mktemp("two_workers")
-
-  def killed(mode):
-    kill_at, env = TWO_WORKER_CUTS[mode]
-    return launch_workers([sys.executable, SCRIPT, str(root / "cut"), mode],
-                          env=dict(env, TFDP_TEST_KILL_AT=str(kill_at), TFDP_TEST_KILL_WORKER="1"))
-
-  def moved():
-    shutil.copytree(root / "cut" / "finite" / "backup", root / "moved" / "finite" / "backup")
-    return _run(root / "moved", "finite")
-
-  def manifest_at_kill(mode):
-    # The resumed run deletes its backup at the end, as Keras's does.
-    manifests = sorted((root / "cut" / mode / "backup").glob("ckpt-*.manifest.json"))
-    return json.loads(manifests[-1].read_text()) if manifests else None
-
-  def resumed(mode, where="cut"):
-    return launch_workers([sys.executable, SCRIPT, str(root / where), mode],
-                          env=TWO_WORKER_CUTS[mode][1])
-
-  def finite():
-    out = {"killed-finite": killed("finite")}
-    out["manifest-finite"] = manifest_at_kill("finite")
-    out["moved"] = moved()
-    out["resumed-finite"] = resumed("finite")
-    return out
-
-  def data():
-    return {"killed-data": killed("data"), "resumed-data": resumed("data")}
-
+  kills = {f"TFDP_TEST_KILL_AT_{m.upper()}": str(k) for m, k in TWO_WORKER_CUTS.items()}
   runs = {"ref": two_worker_reference_runs["ref"],
           "ref_root": pathlib.Path(two_worker_reference_runs["root"])}
-  for chain in run_all([finite, data]):
-    runs.update(chain)
+  runs["killed"] = launch_workers(
+      [sys.executable, SCRIPT, str(root / "cut"), TWO_WORKER_MODES],
+      env=dict(TWO_WORKER_ENV, TFDP_TEST_CHAIN="1", TFDP_TEST_KILL_WORKER="1",
+               TFDP_TEST_KILL_DELAY_DATA="1", **kills))
+  # The resumed run deletes its backups at the end, as Keras's does.
+  manifests = sorted((root / "cut" / "finite" / "backup").glob("ckpt-*.manifest.json"))
+  runs["manifest-finite"] = json.loads(manifests[-1].read_text()) if manifests else None
+  shutil.copytree(root / "cut" / "finite" / "backup", root / "moved" / "finite" / "backup")
+  runs["moved"], runs["resumed"] = run_all([
+      lambda: _run(root / "moved", "finite"),
+      lambda: launch_workers([sys.executable, SCRIPT, str(root / "cut"), TWO_WORKER_MODES],
+                             env=TWO_WORKER_ENV)])
   return root, runs
 
 
@@ -220,8 +218,9 @@ def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode):
   code, out = runs["ref"]
   assert code == 0, out[-3000:]
   cut = root / "cut"
-  code, out = runs[f"killed-{mode}"]
+  code, out = runs["killed"]
   assert code != 0, out[-3000:]
+  assert "CHAIN mode=finite stopped at step 8" in out and "RESULT" not in out, out[-3000:]
   if mode == "finite":  # Another topology cannot take the per-worker positions.
     manifest = runs["manifest-finite"]  # the newest at the kill
     assert manifest, "no committed backup at the kill"
@@ -233,7 +232,7 @@ def test_two_worker_fit_killed_mid_epoch_resumes_bitwise(two_workers, mode):
     assert "holds the data positions of 2 worker(s) with 2 replica(s) in all" in other, (
         other[-3000:])
     assert "restart_epoch_data=True" in other
-  code, out = runs[f"resumed-{mode}"]
+  code, out = runs["resumed"]
   assert code == 0, out[-3000:]
   assert len(re.findall(rf"RESULT mode={mode} worker=\d steps=\d+ restored=[1-9]", out)) == 2, (
       out[-3000:])

@@ -8,12 +8,21 @@ to fit), `data` (auto-shard policy DATA instead of FILE) or `source` (a
 tfdp.data source, tfdp.data.distribute, under plain fit). The pipeline is
 TFRecord files, interleave, shuffle(buffer, seed), a map with stateless
 augmentation, batch and prefetch; the model has dropout; TF op determinism
-is on. Env TFDP_TEST_KILL_AT=N: the process SIGKILLs itself after global step
-N (on worker TFDP_TEST_KILL_WORKER, default every worker), having deleted its
-local tier first with TFDP_TEST_WIPE_LOCAL=1 (a replaced host); TFDP_TEST_ASYNC=1
-saves in the background; TFDP_TEST_LOCAL_EVERY=N adds a local tier. Each of
-these set as NAME_MODE (e.g. TFDP_TEST_KILL_AT_REPEAT) applies to that mode
-only, so that one process can train several modes with other settings.
+is on. `plain` is `finite` without a strategy (the default one), in a process
+that also trains distributed modes; list it first (see TFDP_TEST_CHAIN).
+
+Env TFDP_TEST_KILL_AT=N: the process SIGKILLs itself after global step N (on
+worker TFDP_TEST_KILL_WORKER, default every worker; TFDP_TEST_KILL_DELAY
+seconds later), having deleted its local tier first with
+TFDP_TEST_WIPE_LOCAL=1 (a replaced host); TFDP_TEST_ASYNC=1 saves in the
+background; TFDP_TEST_LOCAL_EVERY=N adds a local tier. Each of these set as
+NAME_MODE (e.g. TFDP_TEST_KILL_AT_REPEAT) applies to that mode only, so that
+one process can train several modes with other settings. With
+TFDP_TEST_CHAIN=1, every mode but the last stops at its kill step (every
+worker) and trains the next mode there, inside its callback; the last one is
+SIGKILLed as above. So one kill leaves every mode of the process mid-run at
+its own step, and the same modes run again resume each of them (a mode
+without a strategy must come first: the others run inside its fit).
 CPU_REPLICAS 1 without TF_CONFIG: no strategy. Writes each worker's final
 weights to OUT_ROOT/MODE/weights-<worker>.npy.
 """
@@ -86,20 +95,31 @@ def make_dataset(paths, mode):
 
 
 class KillAt(keras.callbacks.Callback):
-  """SIGKILLs this process after global step $TFDP_TEST_KILL_AT (after its callbacks' saves)."""
+  """SIGKILLs this process after global step $TFDP_TEST_KILL_AT (after its callbacks' saves).
 
-  def __init__(self, worker, mode, backup_dir):
+  In a chain (TFDP_TEST_CHAIN=1), `then` is the next mode's training, which
+  every worker runs there instead.
+  """
+
+  def __init__(self, worker, mode, backup_dir, then=None):
     super().__init__()
     self.worker = worker
     self.mode = mode
     self.backup_dir = backup_dir
+    self.then = then
 
   def on_train_batch_end(self, batch, logs=None):
     at = int(setting("TFDP_TEST_KILL_AT", self.mode) or "-1")
+    if at != int(self.model.optimizer.iterations.numpy()):
+      return
+    if self.then:
+      print(f"CHAIN mode={self.mode} stopped at step {at}", flush=True)
+      self.then()
+      raise AssertionError(f"the mode after {self.mode} returned instead of being killed")
     who = os.environ.get("TFDP_TEST_KILL_WORKER")
-    if at == int(self.model.optimizer.iterations.numpy()) and who in (None, str(self.worker)):
+    if who in (None, str(self.worker)):
       # A moment later: the background local save of the step before has landed.
-      time.sleep(float(os.environ.get("TFDP_TEST_KILL_DELAY", "0")))
+      time.sleep(float(setting("TFDP_TEST_KILL_DELAY", self.mode) or "0"))
       if os.environ.get("TFDP_TEST_WIPE_LOCAL") == "1":  # this host's RAM tier is gone
         from tfdp.checkpoint import layout  # pylint: disable=g-import-not-at-top
         shutil.rmtree(layout.local_worker_dir(layout.default_local_root(self.backup_dir),
@@ -107,7 +127,11 @@ class KillAt(keras.callbacks.Callback):
       os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train(out_dir, mode, strategy, worker):
+def train(out_dir, name, strategy, worker, then=None):
+  """Trains mode `name` into out_dir; `then`: the rest of a chain (see KillAt)."""
+  mode = name
+  if name == "plain":
+    strategy, mode = tf.distribute.get_strategy(), "finite"
   keras.utils.set_random_seed(7)
   paths = write_records(os.path.join(os.path.dirname(out_dir), "records"))
   with strategy.scope():
@@ -115,13 +139,13 @@ def train(out_dir, mode, strategy, worker):
                               keras.layers.Dropout(0.3), keras.layers.Dense(2)])
     model.compile(optimizer="adam",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  local_every = setting("TFDP_TEST_LOCAL_EVERY", mode)
+  local_every = setting("TFDP_TEST_LOCAL_EVERY", name)
   backup_dir = os.path.join(out_dir, "backup")
   backup = tfdp.callbacks.BackupAndRestore(
       backup_dir, save_freq=3,
-      async_save=setting("TFDP_TEST_ASYNC", mode) == "1",
+      async_save=setting("TFDP_TEST_ASYNC", name) == "1",
       local_checkpoint_every_steps=int(local_every) if local_every else None)
-  callbacks = [backup, KillAt(worker, mode, backup_dir)]
+  callbacks = [backup, KillAt(worker, name, backup_dir, then)]
   if mode in ("arrays", "source"):
     x, y = zip(*make_dataset(paths, "finite").unbatch().as_numpy_iterator())
     x, y = np.stack(x), np.array(y)
@@ -136,7 +160,7 @@ def train(out_dir, mode, strategy, worker):
     model.fit(make_dataset(paths, mode), epochs=3, callbacks=callbacks, verbose=0, **kwargs)
   np.save(os.path.join(out_dir, f"weights-{worker}.npy"),
           np.concatenate([w.numpy().ravel() for w in model.weights]))
-  print(f"RESULT mode={mode} worker={worker} steps={int(model.optimizer.iterations.numpy())} "
+  print(f"RESULT mode={name} worker={worker} steps={int(model.optimizer.iterations.numpy())} "
         f"restored={backup.restored_step}", flush=True)
 
 
@@ -144,8 +168,19 @@ def main(out_root, modes, cpu_replicas=1):
   strategy = tfdp.make_strategy(cpu_replicas=int(cpu_replicas))
   tf.config.experimental.enable_op_determinism()
   worker = tfdp.cluster.resolve(strategy).index
-  for mode in modes.split(","):
-    train(os.path.join(out_root, mode), mode, strategy, worker)
+  modes = modes.split(",")
+
+  def run(i):
+    chained = os.environ.get("TFDP_TEST_CHAIN") == "1" and i + 1 < len(modes)
+    train(os.path.join(out_root, modes[i]), modes[i], strategy, worker,
+          then=(lambda: run(i + 1)) if chained else None)
+
+  if os.environ.get("TFDP_TEST_CHAIN") == "1":
+    run(0)
+    raise AssertionError(f"mode {modes[0]} ended before its kill step")
+  else:
+    for i in range(len(modes)):
+      run(i)
 
 
 if __name__ == "__main__":
