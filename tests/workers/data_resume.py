@@ -178,9 +178,8 @@ def main(out_root, modes, cpu_replicas=1):
   if os.environ.get("TFDP_TEST_CHAIN") == "1":
     run(0)
     raise AssertionError(f"mode {modes[0]} ended before its kill step")
-  else:
-    for i in range(len(modes)):
-      run(i)
+  for i in range(len(modes)):
+    run(i)
 
 
 if __name__ == "__main__":
