@@ -43,6 +43,11 @@ def _run(out_root, modes, env=None):
   return proc.returncode, proc.stdout.decode("utf-8", errors="replace")
 
 
+def _per_mode(setting, values):
+  """{mode: value} as data_resume.py's per-mode settings: {SETTING_MODE: str(value)}."""
+  return {f"{setting}_{mode.upper()}": str(value) for mode, value in values.items()}
+
+
 def _weights(out_root, mode, worker=0):
   return np.load(os.path.join(out_root, mode, f"weights-{worker}.npy"))
 
@@ -84,8 +89,8 @@ def mirrored_runs(root):
   script); stock/finite and stock/repeat (the fit_data_state fix off: an
   uninterrupted finite run, then repeat killed at 7, resumed with the fix on).
   """
-  cut = {f"TFDP_TEST_ASYNC_{m.upper()}": a for m, (_, a) in CUTS.items()}
-  kills = {f"TFDP_TEST_KILL_AT_{m.upper()}": str(k) for m, (k, _) in CUTS.items()}
+  cut = _per_mode("TFDP_TEST_ASYNC", {m: a for m, (_, a) in CUTS.items()})
+  kills = _per_mode("TFDP_TEST_KILL_AT", {m: k for m, (k, _) in CUTS.items()})
   first = {"ref": lambda: _run(root / "ref", CHAIN),
            "stock": lambda: _run(root / "stock", "finite,repeat",
                                  env=dict(COMPAT_OFF, TFDP_TEST_KILL_AT_REPEAT="7")),
@@ -187,7 +192,7 @@ def two_workers(two_worker_reference_runs, tmp_path_factory):
   it is SIGKILLed) is tests/tier_runs.py's, 5 times in one job.
   """
   root = tmp_path_factory.mktemp("two_workers")
-  kills = {f"TFDP_TEST_KILL_AT_{m.upper()}": str(k) for m, k in TWO_WORKER_CUTS.items()}
+  kills = _per_mode("TFDP_TEST_KILL_AT", TWO_WORKER_CUTS)
   runs = {"ref": two_worker_reference_runs["ref"],
           "ref_root": pathlib.Path(two_worker_reference_runs["root"])}
   runs["killed"] = launch_workers(

@@ -169,13 +169,13 @@ def main(out_root, modes, cpu_replicas=1):
   tf.config.experimental.enable_op_determinism()
   worker = tfdp.cluster.resolve(strategy).index
   modes = modes.split(",")
+  chain = os.environ.get("TFDP_TEST_CHAIN") == "1"
 
   def run(i):
-    chained = os.environ.get("TFDP_TEST_CHAIN") == "1" and i + 1 < len(modes)
     train(os.path.join(out_root, modes[i]), modes[i], strategy, worker,
-          then=(lambda: run(i + 1)) if chained else None)
+          then=(lambda: run(i + 1)) if chain and i + 1 < len(modes) else None)
 
-  if os.environ.get("TFDP_TEST_CHAIN") == "1":
+  if chain:
     run(0)
     raise AssertionError(f"mode {modes[0]} ended before its kill step")
   for i in range(len(modes)):
