@@ -2,11 +2,13 @@
 
 In process: the user's own MirroredStrategy over 2 logical CPUs against its
 single-device twin on the same global batches (clipping, loss scaling,
-gradient accumulation, weight decay), buckets against one all-reduce, the
-compressions. On 2 real workers (tests/workers/gradient_worker.py under
-tfdp-launch): the user's own MultiWorkerMirroredStrategy with `import tfdp`
-first, a float16 overflow on one worker, buckets and bf16 in the traced step,
-and a stuck collective.
+gradient accumulation, weight decay), custom loops and fit side by side with
+stock Keras and one device (tests/workers/gradient_parity.py), buckets
+against one all-reduce, the compressions. On 2 real workers
+(tests/workers/gradient_worker.py under tfdp-launch): the user's own
+MultiWorkerMirroredStrategy with `import tfdp` first, a float16 overflow on
+one worker, buckets and bf16 in the traced step, the side-by-side cases, and
+a stuck collective.
 """
 
 import os
@@ -29,6 +31,7 @@ from tfdp.compat import buckets
 from tests import shared
 from tests.conftest import REPO, WORKERS
 from tests.shared import shared_run
+from tests.workers import gradient_parity
 
 WORKER = os.path.join(WORKERS, "gradient_worker.py")
 BATCH = 16
@@ -149,6 +152,68 @@ def test_a_float16_overflow_on_one_replica_is_skipped_by_every_replica(mirrored)
   np.testing.assert_allclose(_flat(two.weights), _flat(one.weights), rtol=1e-3, atol=1e-4)
 
 
+def _accumulate_one_gradient_on_both_replicas(strategy, traced=False):
+  """Issue 44's case: each replica applies [[1, 1], [2, 2]] (one tensor) 3 times with 3 accumulation steps."""
+  with strategy.scope():
+    v = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+    optimizer = keras.optimizers.SGD(learning_rate=1.0, gradient_accumulation_steps=3)
+    optimizer.build([v])
+  grad = tf.constant([[1.0, 1.0], [2.0, 2.0]])
+  step = lambda: strategy.run(lambda: optimizer.apply_gradients([(grad, v)]))  # pylint: disable=unnecessary-lambda-assignment
+  step = tf.function(step) if traced else step
+  for _ in range(3):
+    step()
+  return v.numpy()
+
+
+def test_accumulation_applies_what_stock_keras_applies(mirrored):
+  # Upstream all-reduces the accumulated mean on the update step, a tensor
+  # of each replica's own: the replicas' sum, [[2, 2], [4, 4]]. Reducing
+  # each step's gradient first counted the one tensor both replicas pass
+  # once (ReplicaContext.all_reduce of an object every replica shares is
+  # that object), and applied half of it: [[0, 1], [1, 2]].
+  with gradient_parity.stock_keras():
+    stock = _accumulate_one_gradient_on_both_replicas(mirrored)
+  np.testing.assert_array_equal(stock, [[-1.0, 0.0], [-1.0, 0.0]])
+  np.testing.assert_array_equal(_accumulate_one_gradient_on_both_replicas(mirrored), stock)
+  # Traced (stock Keras fails there: `merge_call` inside its `cond`).
+  np.testing.assert_array_equal(_accumulate_one_gradient_on_both_replicas(mirrored, traced=True),
+                                stock)
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  return gradient_parity.one_device()
+
+
+@pytest.fixture(scope="module")
+def parity_2_replicas(mirrored):
+  return gradient_parity.run_all(mirrored)
+
+
+def _assert_parity(got, one, loop, option):
+  """tfdp's run `got` ended as one device's `one` did (and as stock Keras's where it is right)."""
+  name = f"{loop}/{option}"
+  tfdp_run, one_run = got[f"tfdp/{name}"], one[f"one/{name}"]
+  if option in gradient_parity.UPSTREAM_RIGHT:
+    np.testing.assert_array_equal(tfdp_run["weights"], got[f"stock/{name}"]["weights"])
+  # One device adds the rows' gradients in another order; float16 rounds.
+  tolerance = dict(rtol=1e-3, atol=1e-4) if option == "loss_scale" else dict(rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(tfdp_run["weights"], one_run["weights"], **tolerance)
+  assert int(tfdp_run["iterations"]) == int(one_run["iterations"])
+  np.testing.assert_array_equal(tfdp_run["scale"], one_run["scale"])
+
+
+PARITY_CASES = [(loop, option) for loop in gradient_parity.LOOPS
+                for option in gradient_parity.OPTIONS]
+
+
+@pytest.mark.parametrize("loop,option", PARITY_CASES)
+def test_on_2_replicas_the_update_is_stock_keras_where_right_and_one_devices(
+    loop, option, parity_2_replicas, one_device):
+  _assert_parity(parity_2_replicas, one_device, loop, option)
+
+
 def test_buckets_change_no_number(mirrored):
   x, y = _data()
   adam = lambda: keras.optimizers.Adam(0.01)  # pylint: disable=unnecessary-lambda-assignment
@@ -257,7 +322,7 @@ def gradient_runs(root):
     return {"code": proc.returncode, "out": proc.stdout.decode("utf-8", errors="replace"),
             "dir": str(out)}
 
-  return {"cases": launch_job(root / "cases", "f16,buckets,bf16"),
+  return {"cases": launch_job(root / "cases", "f16,buckets,bf16,parity"),
           "stall": launch_job(root / "stall", "stall")}
 
 
@@ -303,6 +368,19 @@ def test_buckets_and_compression_are_in_the_traced_step(gradient_runs):
   assert all(op.endswith(":bfloat16") for op in c["ops"] if op.startswith(buckets.SCOPE))
   np.testing.assert_array_equal(c["weights"], d["weights"])
   np.testing.assert_allclose(c["weights"], a["weights"], atol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop,option", PARITY_CASES)
+def test_on_2_workers_the_update_is_stock_keras_where_right_and_one_devices(
+    loop, option, gradient_runs, one_device):
+  a, b = _results(gradient_runs["cases"], "parity")
+  got = {}
+  for key in (k for k in a if "/" in k):  # "<path>/<loop>/<option>/<field>"
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    name, field = key.rsplit("/", 1)
+    got.setdefault(name, {})[field] = a[key]
+  _assert_parity(got, one_device, loop, option)
 
 
 @pytest.mark.slow

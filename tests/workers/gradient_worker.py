@@ -13,6 +13,10 @@ data (`AutoShardPolicy.OFF`). Cases, run one after the other in one process:
 - `buckets`: the same fp32 run with buckets of 4 KB and with buckets off
   (`bucket_cap_mb=0`); it records the all-reduces the traced step holds.
 - `bf16`: the fp32 run with gradient_compression="bf16".
+- `parity`: tests/workers/gradient_parity.py's custom loops and fits, each
+  optimizer option, with tfdp's gradient path and (where stock Keras is
+  right) without it; it writes OUT_DIR/parity-<worker>.npz, keys
+  "<path>/<loop>/<option>/<field>".
 - `stall`: a collective timeout of STALL_TIMEOUT s; worker 0 stops in a
   callback after step STALL_AT, so worker 1 waits alone in the next step's
   collectives (the case ends the process).
@@ -31,6 +35,9 @@ import tfdp.gradients  # reset between cases
 import numpy as np  # pylint: disable=g-bad-import-order,wrong-import-order
 import tensorflow as tf  # pylint: disable=g-bad-import-order,wrong-import-order
 import keras  # pylint: disable=g-bad-import-order,wrong-import-order
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.workers import gradient_parity  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 BATCH, STEPS = 16, 6
 STALL_AT, STALL_TIMEOUT = 3, 4.0
@@ -140,13 +147,19 @@ def main(out_dir, cases):
     elif case == "bf16":
       tfdp.configure_gradients(compression="bf16")
       model = fit(build(strategy), worker)
+    elif case == "parity":
+      model = None
+      result.update({f"{name}/{field}": value
+                     for name, run in gradient_parity.run_all(strategy).items()
+                     for field, value in run.items()})
     elif case == "stall":
       model = fit(build(strategy), worker, callbacks=[StallAt(worker, STALL_AT)])
       raise AssertionError("the stalled fit returned")
     else:
       raise ValueError(f"unknown case {case!r}")
-    result.update(weights=flat(model.weights), steps=int(model.optimizer.iterations.numpy()),
-                  ops=np.array(all_reduces(model)))
+    if model is not None:
+      result.update(weights=flat(model.weights), steps=int(model.optimizer.iterations.numpy()),
+                    ops=np.array(all_reduces(model)))
     result["threads"] = _os_threads()
     np.savez(os.path.join(out_dir, f"{case}-{worker}.npz"), **result)
     tfdp.gradients.reset()

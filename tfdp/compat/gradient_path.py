@@ -14,8 +14,19 @@ The patch moves the all-reduce to the start of `apply`, in buckets
 (tfdp.compat.buckets): clipping, loss-scale unscaling, the finiteness check,
 gradient accumulation, weight decay and the update all see the reduced
 gradients, the same on every replica and worker, as one device sees its
-gradients; no collective is left inside a `cond`. The optimizer's own
-all-reduce (`_all_reduce_sum_gradients`) is then a no-op for the call.
+gradients; no collective is left inside a `cond` that replicas may decide
+differently. The optimizer's own all-reduce (`_all_reduce_sum_gradients`)
+is then a no-op for the call.
+
+With `gradient_accumulation_steps`, each replica accumulates its own
+gradients and the update step all-reduces their accumulated mean, as
+upstream does, but before clipping: upstream's sum, one all-reduce per
+update rather than one per accumulated step. (All-reducing each step's
+gradients instead gave upstream's sum only where the replicas' gradients are
+distinct tensors: `ReplicaContext.all_reduce` takes a tensor that every
+replica passes as the same object for one value, not a sum, so a gradient
+shared by the replicas was applied once where upstream applies it per
+replica.)
 """
 
 import functools
@@ -90,6 +101,17 @@ class _Reduced:
     _reduced.depth -= 1
 
 
+def _reduces_at_update(optimizer) -> bool:
+  """Whether `optimizer` accumulates each replica's own gradients and all-reduces on the update step.
+
+  So it does in a replica context of more than one replica of a strategy
+  that merges (see `_accumulate_across_replicas`); elsewhere `apply`
+  all-reduces each step's gradients first.
+  """
+  return bool(optimizer.gradient_accumulation_steps and not optimizer.use_ema
+              and not tf.__internal__.distribute.strategy_supports_no_merge_call())
+
+
 def _accumulate_across_replicas(self, grads, trainable_variables):
   """Upstream's gradient accumulation, with its `cond` taken in cross-replica context.
 
@@ -99,17 +121,25 @@ def _accumulate_across_replicas(self, grads, trainable_variables):
   with "`merge_call` called while defining a new graph". As
   LossScaleOptimizer does for its own `cond`, the branches here run each
   replica's part through `call_for_each_replica` from a `cond` in
-  cross-replica context. The gradients are reduced already (the same on
-  every replica), so every replica takes the same branch.
+  cross-replica context; the condition is the optimizer's step, the same on
+  every replica and worker, so every replica takes the same branch.
+
+  Each replica accumulates its own gradients; the update step all-reduces
+  their accumulated mean, as upstream does, then clips it (unless a
+  LossScaleOptimizer around it reduced every step's gradients already).
   """
   steps = self.gradient_accumulation_steps
   is_update_step = (self._iterations + 1) % steps == 0  # pylint: disable=protected-access
   accumulators = [self._accumulated_gradients[self._get_variable_index(v)]  # pylint: disable=protected-access
                   for v in trainable_variables]
 
+  reduce = not getattr(self, _OUTER_REDUCES, False)
+
   def update(grads):
     with _Reduced():  # a thread of its own: the optimizer's all-reduce is off here too
       grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
+      if reduce:
+        grads = _reduce(self, grads, trainable_variables)
       grads = self._clip_gradients(grads)  # pylint: disable=protected-access
       self._apply_weight_decay(trainable_variables)  # pylint: disable=protected-access
       self._backend_update_step(grads, trainable_variables, self.learning_rate)  # pylint: disable=protected-access
@@ -137,7 +167,8 @@ def _install_gradient_path():
   Upstream all-reduces in `_backend_update_step`, after clipping, and
   LossScaleOptimizer decides finiteness before it (see the module
   docstring). The patch all-reduces at the start of `apply` in a replica
-  context of more than one replica (in buckets, tfdp.compat.buckets), then
+  context of more than one replica (in buckets, tfdp.compat.buckets; with
+  gradient accumulation, on the update step instead), then
   runs upstream's `apply` on the reduced gradients with the optimizer's own
   all-reduce turned off; LossScaleOptimizer reduces before its finiteness
   check, and its inner optimizer takes the gradients as they come. Outside
@@ -153,7 +184,7 @@ def _install_gradient_path():
   def apply(self, grads, trainable_variables=None):
     if not _multi_replica() or len(grads) == 0:
       return base_apply(self, grads, trainable_variables)
-    if not getattr(self, _OUTER_REDUCES, False):
+    if not getattr(self, _OUTER_REDUCES, False) and not _reduces_at_update(self):
       variables = trainable_variables if trainable_variables is not None else self._trainable_variables  # pylint: disable=protected-access
       grads = _reduce(self, grads, list(variables))
     with _Reduced():
@@ -161,8 +192,7 @@ def _install_gradient_path():
 
   @functools.wraps(backend_apply)
   def _backend_apply_gradients(self, grads, trainable_variables):
-    if (not self.gradient_accumulation_steps or self.use_ema or not _multi_replica()
-        or tf.__internal__.distribute.strategy_supports_no_merge_call()):
+    if not _multi_replica() or not _reduces_at_update(self):
       return backend_apply(self, grads, trainable_variables)
     return _accumulate_across_replicas(self, grads, trainable_variables)
 
