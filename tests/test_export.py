@@ -175,7 +175,7 @@ def test_safetensors_refuses_a_folder_with_other_shards_unless_overwrite(trained
 
 
 @pytest.mark.slow
-def test_keras_files_load_in_plain_keras_with_the_same_predictions(trained, tmp_path):
+def test_keras_files_load_in_plain_keras_with_the_same_predictions(trained, backups, tmp_path):
   # save_keras of a model built and compiled under 2 mirrored replicas, as
   # tfdp-train builds it (dlrm: dict inputs, keras.ops in its graph) ...
   with strategy_lib.make_strategy("mirrored", cpu_replicas=2).scope():
@@ -197,9 +197,15 @@ def test_keras_files_load_in_plain_keras_with_the_same_predictions(trained, tmp_
                                  keras.layers.Dropout(0.5, seed=2), keras.layers.Dense(2)])
   sequential.compile(optimizer="adam", loss="mse")
   export.save_keras(sequential, tmp_path / "sequential.keras")
-  ours, theirs, users = _plain_keras_predict(
+  # The exports of BackupAndRestore's backups (a Sequential, a functional model).
+  kinds = ("sequential", "functional")
+  ours, theirs, users, *backed_up = _plain_keras_predict(
       [(saved, inputs), (exported, {"image": trained["x"]}),
-       (tmp_path / "sequential.keras", {"x": inputs["dense"]})], tmp_path)
+       (tmp_path / "sequential.keras", {"x": inputs["dense"]})]
+      + [(backups[kind]["file"], {"x": backups["x"]}) for kind in kinds], tmp_path)
+  for kind, got in zip(kinds, backed_up):
+    np.testing.assert_allclose(got, backups[kind]["predictions"], rtol=1e-6, atol=1e-6,
+                               err_msg=kind)
   np.testing.assert_allclose(ours, model.predict(inputs, verbose=0), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(theirs, trained["predictions"], rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(users, sequential.predict(inputs["dense"], verbose=0))
@@ -223,6 +229,45 @@ def test_format_keras_of_any_keras_model_from_the_config_its_checkpoint_holds(tr
   assert (code, err) == (0, ""), err
   loaded = keras.models.load_model(tmp_path / "out" / "model.keras")
   np.testing.assert_allclose(loaded.predict(trained["x"], verbose=0), trained["predictions"],
+                             rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def backups(tmp_path_factory):
+  """A Sequential and a functional model trained with tfdp's BackupAndRestore, their last backups exported by `tfdp-ckpt export --format=keras`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tfdp  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp("backups")
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(16, 3)).astype("float32")
+  inputs = keras.Input((3,), name="x")
+  built = {
+      # A freshly built Sequential's variables are `sequential/dense/kernel`,
+      # the same model rebuilt from its config has `dense/kernel`.
+      "sequential": keras.Sequential([keras.Input((3,), name="x"), keras.layers.Dense(4),
+                                      keras.layers.Dense(2)]),
+      "functional": keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(4)(inputs))),
+  }
+  result = {"x": x}
+  for name, model in built.items():
+    model.compile(optimizer="adam", loss="mse")
+    backup = tfdp.callbacks.BackupAndRestore(str(root / name), save_freq=2,
+                                             delete_checkpoint=False)
+    model.fit(x, x[:, :2] * 2, batch_size=8, epochs=1, verbose=0, callbacks=[backup])
+    out = root / f"{name}.keras"
+    result[name] = {"paths": [v.path for v in model.weights], "file": str(out),
+                    "predictions": model.predict(x, verbose=0),
+                    "export": _cli("export", tf.train.latest_checkpoint(str(root / name)), out,
+                                   "--format=keras")}
+  return result
+
+
+@pytest.mark.parametrize("name", ["sequential", "functional"])
+def test_format_keras_of_a_backup_loads_in_keras_with_the_same_predictions(backups, name):
+  run = backups[name]
+  assert run["export"] == (0, f"wrote {run['file']}\n", ""), run["export"]
+  loaded = keras.models.load_model(run["file"])
+  np.testing.assert_allclose(loaded.predict(backups["x"], verbose=0), run["predictions"],
                              rtol=1e-6, atol=1e-6)
 
 

@@ -417,8 +417,20 @@ def model_from_run_config(run_config: dict) -> keras.Model:
     keras.config.set_dtype_policy(previous)
 
 
+def _without_model_name(paths, name: str) -> dict[str, str] | None:
+  """{path less a leading "`name`/": path} of `paths`; None when that would make two paths one."""
+  prefix = f"{name}/"
+  short = {p[len(prefix):] if p.startswith(prefix) else p: p for p in paths}
+  return short if len(short) == len(paths) else None
+
+
 def restore_model_variables(model: keras.Model, checkpoint: str) -> None:
   """Assigns `model.variables` from the `model/` keys of a `tfdp.TrainState` checkpoint.
+
+  Variables are matched by path, up to a leading scope of the model's own
+  name: a freshly built `Sequential`'s variables are
+  `sequential/dense/kernel`, the same model rebuilt from its config has
+  `dense/kernel`.
 
   Raises:
     ConfigError: the checkpoint's model variables do not match the model's
@@ -430,6 +442,11 @@ def restore_model_variables(model: keras.Model, checkpoint: str) -> None:
   saved = {named[0]: key for key in shapes
            if (named := export_name(key)) and key.startswith(_MODEL_PREFIX)}
   ours = {v.path: v for v in model.variables}
+  short_saved = _without_model_name(saved, model.name)
+  short_ours = _without_model_name(ours, model.name)
+  if short_saved is not None and short_ours is not None:
+    saved = {p: saved[full] for p, full in short_saved.items()}
+    ours = {p: ours[full] for p, full in short_ours.items()}
   missing, extra = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
   wrong = sorted(p for p in set(ours) & set(saved)
                  if tuple(shapes[saved[p]]) != tuple(ours[p].shape))
@@ -470,7 +487,8 @@ def keras_from_checkpoint(checkpoint: str, path: str) -> str:
   The model is rebuilt from the Keras config the checkpoint holds (every
   backup of `tfdp.callbacks.BackupAndRestore`), or for `tfdp-train`
   checkpoints from the model name and builder arguments of its run config.
-  Variables are matched by path, and Keras numbers unnamed layers per
+  Variables are matched by path (up to a leading scope of the model's own
+  name, see `restore_model_variables`), and Keras numbers unnamed layers per
   process (`conv2d`, `conv2d_1`, ...): call it in a process that has built
   no other model, or after `keras.backend.clear_session()`.
 
