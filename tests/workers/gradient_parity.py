@@ -6,13 +6,14 @@ user's own MultiWorkerMirroredStrategy on 2 workers under tfdp-launch).
 
 Every run trains the same model from the same seed on the same STEPS global
 batches of GLOBAL rows; replica r of n trains on rows [r*GLOBAL/n,
-(r+1)*GLOBAL/n) of each. The custom loop is TF's tutorial loop in Keras 3, run
-eagerly (as stock Keras's accumulation can only run): `strategy.run` of a step that takes the replica's rows, divides the summed
-loss by the global batch size, scales it by the optimizer
+(r+1)*GLOBAL/n) of each. The custom loop is TF's tutorial loop in Keras 3,
+run eagerly (stock Keras cannot trace gradient accumulation under these
+strategies): `strategy.run` of a step that takes the replica's rows, divides
+the summed loss by the global batch size, scales it
 (`optimizer.scale_loss`) and calls `optimizer.apply_gradients`. `fit` is
-plain `model.fit` on a dataset of the global batches. With option `loss_scale` (mixed_float16, a
-LossScaleOptimizer) replica 1's rows of the first batch overflow float16 at
-the initial loss scale.
+plain `model.fit` on a dataset of the global batches. With option
+`loss_scale` (mixed_float16, a LossScaleOptimizer) replica 1's rows of the
+first batch overflow float16 at the initial loss scale.
 
 `run_all` runs each (loop, option) under the strategy with tfdp's gradient
 path, and, for the options where stock Keras is right (`UPSTREAM_RIGHT`),
@@ -102,7 +103,6 @@ def train(strategy, loop, option, run_eagerly=False):
   """Trains the model under `strategy` by `loop` with `option`; returns its weights, loss scale and step."""
   x, y = data()
   if option == "loss_scale":  # replica 1's rows of the first batch overflow float16
-    x = x.copy()
     x[GLOBAL // 2:GLOBAL] *= 3e4
   model = _build(strategy, option, run_eagerly)
   if loop == "custom":
