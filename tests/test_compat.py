@@ -130,7 +130,7 @@ TESTED_ELSEWHERE = {
     "chief_only_verbose": "test_progress_bars_only_on_the_chief_unless_asked",
     "chief_only_files": "tests/test_keras_run.py::test_every_file_has_one_writer_the_chief",
     "concat_gather_dtypes": "tests/test_mixed_bf16.py::test_bfloat16_predict_and_evaluate_on_2_workers",
-    "gradient_path": "tests/test_gradient_path.py (each test fails with the fix disabled)",
+    "gradient_path": "tests/test_gradient_path.py (side by side with the fix disabled and with one device)",
     "collective_deadline":
         "tests/test_gradient_path.py::test_a_stuck_collective_fails_the_worker_with_one_line",
 }
