@@ -8,7 +8,8 @@ import dataclasses
 import hashlib
 import os
 import re
-import tempfile
+
+from tfdp.checkpoint import private
 
 MANIFEST_SUFFIX = ".manifest.json"
 # Appended to the manifest of a checkpoint found corrupt at restore.
@@ -35,9 +36,9 @@ _GOODPUT_PROGRESS_RE = re.compile(r"progress-\d+-\d+\.bin")
 KERAS_FILENAME = "model.keras"
 # Root of the keys of per-worker state: `_tfdp_per_worker/<worker>/<key>`.
 PER_WORKER_ROOT = "_tfdp_per_worker"
-# The local tier: RAM-backed where the host has it (Linux's tmpfs), else the
-# temp dir; one directory per persistent directory, one folder per worker.
-DEFAULT_LOCAL_ROOT = "/dev/shm/tfdp-local"
+# The local tier: in a root private to the user (tfdp.checkpoint.private:
+# $XDG_RUNTIME_DIR/tfdp, else RAM-backed /dev/shm/tfdp-<uid>, else the temp
+# dir's); one directory per persistent directory, one folder per worker.
 _WORKER_DIR = "worker-{}"
 # Inside a worker's local folder: the per-worker states it keeps of a peer,
 # and the markers of a peer recovery under way (tfdp.checkpoint.recovery).
@@ -103,9 +104,8 @@ def is_goodput_progress(filename: str) -> bool:
 
 
 def default_local_root(directory: str) -> str:
-  """The local tier of persistent `directory` when none is given: under /dev/shm, named by its path."""
-  root = DEFAULT_LOCAL_ROOT if os.path.isdir("/dev/shm") else os.path.join(
-      tempfile.gettempdir(), "tfdp-local")
+  """The local tier of persistent `directory` when none is given: in this user's private root, named by its path."""
+  root = private.default_root()
   name = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:16]
   return os.path.join(root, name)
 
