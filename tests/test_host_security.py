@@ -119,7 +119,7 @@ def test_a_planted_root_or_job_directory_is_refused_in_one_line(stranger, shared
     os.chmod(root, 0o777)
   else:
     os.chmod(shared_place, 0o777)  # Anyone may rename what is in it.
-  monkeypatch.setattr(private, "default_root", lambda: root)
+  monkeypatch.setattr(layout_lib, "user_local_root", lambda: root)
   monkeypatch.delenv(private.GROUP_ACCESS_ENV, raising=False)
   folder = os.path.join(job if plant.startswith("job") or plant == "folder not sticky" else
                         os.path.join(root, "0123456789abcdef"), "worker-0")
@@ -136,7 +136,7 @@ def test_the_default_root_is_private_to_the_user(tmp_path, monkeypatch):
   xdg = tmp_path / "run"
   xdg.mkdir(mode=0o700)
   monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
-  assert private.default_root() == str(xdg / "tfdp")
+  assert layout_lib.user_local_root() == str(xdg / "tfdp")
   assert layout_lib.default_local_root("/some/run").startswith(str(xdg / "tfdp") + "/")
   folder = layout_lib.Layout("/some/run").local(None, 1).directory
   fs.make_private_dir(folder)
@@ -145,7 +145,7 @@ def test_the_default_root_is_private_to_the_user(tmp_path, monkeypatch):
     assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid(), path
   os.chmod(xdg, 0o755)  # Not private: not used.
   base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-  assert private.default_root() == os.path.join(base, f"tfdp-{os.geteuid()}")
+  assert layout_lib.user_local_root() == os.path.join(base, f"tfdp-{os.geteuid()}")
   monkeypatch.setenv(private.GROUP_ACCESS_ENV, "1")
   os.chmod(folder, 0o750)
   fs.make_private_dir(folder)  # Group access asked for: 0750 passes, 0770 does not.
@@ -183,7 +183,7 @@ def test_the_stranger_can_read_no_file_of_the_tier_or_the_backup(stranger, share
   import tfdp  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv(private.GROUP_ACCESS_ENV, raising=False)
   root = os.path.join(shared_place, f"tfdp-{os.geteuid()}")
-  monkeypatch.setattr(private, "default_root", lambda: root)
+  monkeypatch.setattr(layout_lib, "user_local_root", lambda: root)
   run = os.path.join(shared_place, "run")  # The backups, where she may look (0755 above).
   os.mkdir(run, 0o755)
   ckpt = tf.train.Checkpoint(v=tf.Variable([1.0, 2.0]))

@@ -21,6 +21,7 @@ import pytest
 from tests import tier_runs
 from tests.conftest import WORKERS
 from tests.tier_runs import replaced_host_job  # pylint: disable=unused-import
+from tfdp.checkpoint import channel
 from tfdp.checkpoint import copies
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import peers
@@ -30,7 +31,7 @@ from tfdp.checkpoint import wire
 sys.path.insert(0, WORKERS)
 import ft_stranger  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-HELLO = wire.HELLO_BYTES  # What the server says before it knows who connects.
+HELLO = channel.HELLO_BYTES  # What the server says before it knows who connects.
 
 
 def _files(folder):
@@ -113,8 +114,8 @@ def _impostor():
   def serve():
     conn, _ = server.accept()
     with conn:
-      conn.sendall(wire.MAGIC + struct.pack("<I", 1) + os.urandom(32))
-      wire.recv_exact(conn, wire.ANSWER_BYTES)
+      conn.sendall(channel.MAGIC + struct.pack("<I", 1) + os.urandom(32))
+      wire.recv_exact(conn, channel.ANSWER_BYTES)
       conn.sendall(os.urandom(32))  # A "proof" made without the key.
       conn.recv(1)
     server.close()
@@ -260,13 +261,13 @@ def _bounce(link, fake_index=None):
   def serve():
     victim, _ = server.accept()
     with victim, socket.create_connection(link._peers[0]) as back:  # pylint: disable=protected-access
-      hello = bytearray(wire.recv_exact(back, wire.HELLO_BYTES))
+      hello = bytearray(wire.recv_exact(back, channel.HELLO_BYTES))
       if fake_index is not None:
-        hello[len(wire.MAGIC):len(wire.MAGIC) + 4] = struct.pack("<I", fake_index)
+        hello[len(channel.MAGIC):len(channel.MAGIC) + 4] = struct.pack("<I", fake_index)
       victim.sendall(hello)
       victim.settimeout(2)
       try:
-        answer = bytes(wire.recv_exact(victim, wire.ANSWER_BYTES))
+        answer = bytes(wire.recv_exact(victim, channel.ANSWER_BYTES))
       except OSError as e:
         seen["client"] = f"no answer ({e.__class__.__name__})"
         return
@@ -312,7 +313,7 @@ def test_a_server_refuses_a_client_claiming_its_own_index(tiers):
   link = tiers[0].link
   with socket.create_connection(link._peers[0]) as sock:  # pylint: disable=protected-access
     with pytest.raises(ConnectionError):
-      wire.client_handshake(sock, link._secret, 0, 0)  # pylint: disable=protected-access
+      channel.client_handshake(sock, link._secret, 0, 0)  # pylint: disable=protected-access
   time.sleep(0.2)
   assert link.refusals.count == 1
 
@@ -403,9 +404,9 @@ def test_trickling_strangers_holding_every_slot_keep_no_worker_out(tiers):
         tier_runs.save_local(tier, step)
       assert tiers[0].kept_for_left()[-1] == step and tiers[1].kept_for_left()[-1] == step
       assert tiers[0].generations.floor == step and tiers[1].generations.floor == step
-      time.sleep(wire.HANDSHAKE_S + 0.5)
+      time.sleep(channel.HANDSHAKE_S + 0.5)
   finally:
     trickle.stop()
   # No stranger held a slot past the handshake's deadline (its eviction by a worker came sooner).
-  assert trickle.longest < wire.HANDSHAKE_S + 1.0, trickle.longest
+  assert trickle.longest < channel.HANDSHAKE_S + 1.0, trickle.longest
   assert trickle.opened > 2 * peers.max_connections(2) * 2

@@ -15,10 +15,10 @@ Two uses, both moving bytes once:
 The link listens on this worker's own address only. Every connection is
 authenticated with the job's secret, naming both ends, before a frame is
 read, and every frame carries a MAC under the connection's own keys
-(tfdp.checkpoint.wire); every header is checked. At most
-`max_connections` are served at once: a handshake must finish within
-wire.HANDSHAKE_S, a connection still in its handshake is evicted (oldest
-first) when the slots are full, and one worker holds at most
+(tfdp.checkpoint.channel); every header is checked (tfdp.checkpoint.wire).
+At most `max_connections` are served at once: a handshake must finish
+within channel.HANDSHAKE_S, a connection still in its handshake is evicted
+(oldest first) when the slots are full, and one worker holds at most
 PER_PEER_CONNECTIONS. A step far ahead of what this worker knows of the
 job is refused, and a restore's message is accepted only when it is
 expected, from the worker expected to send it. Anything else is dropped,
@@ -32,6 +32,7 @@ import time
 
 from absl import logging
 
+from tfdp.checkpoint import channel as channel_lib
 from tfdp.checkpoint import faults
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import wire
@@ -47,11 +48,6 @@ TRANSFER_FAULT = "during_transfer"  # A fault point: half of a copy's bytes are 
 # Authenticated connections one worker may hold at once: its reports, a
 # copy and a state at a restore, and one being replaced.
 PER_PEER_CONNECTIONS = 4
-# How far ahead of the newest step this worker knows of the job (its own
-# sends, that sender's reports) a peer's step may be: some generations (a
-# busy writer skips saves), and never fewer steps than this.
-AHEAD_GENERATIONS = 4
-AHEAD_MIN_STEPS = 1000
 
 
 def max_connections(num_workers: int) -> int:
@@ -126,22 +122,18 @@ class PeerLink:
                own_step=None):
     self._me, self._secret, self._directory = me, secret, directory
     self._on_replica, self._on_done, self._incoming = on_replica, on_done, incoming
-    self._own_step = own_step
+    self._steps = wire.StepBound(own_step)
     self._host = own_host(me.address)
     self._server = socket.create_server((self._host, 0), reuse_port=False)
     self.port = self._server.getsockname()[1]
     self._peers = []
     self._lock = threading.Lock()
     self._conns, self._threads = set(), set()
-    self._slots = threading.BoundedSemaphore(max_connections(me.count))
+    self._door = channel_lib.Door(max_connections(me.count), PER_PEER_CONNECTIONS)
     self._expected = {}  # (kind, step, sender) -> _Expected
     self._out = {}  # worker -> authenticated socket (per-worker states, done)
     self._down_until = {}
     self._inbound = {}  # worker -> its connections open now that carried its reports
-    self._pending = {}  # connection -> when it was accepted, while in its handshake
-    self._authed = {}  # worker -> its authenticated connections open now
-    self._known = {}  # worker -> the newest step of its reports (PER_WORKER, DONE)
-    self._sent = []  # The last two steps this worker reported itself.
     self.gone = set()  # Workers whose every such connection ended (they report no more).
     self.refusals = _Refusals()
     self._warned = set()
@@ -189,58 +181,37 @@ class PeerLink:
         self.refusals.note(str(addr), wire.Refused(f"not served ({e})", "error"))
 
   def _admit(self, conn, addr):
-    """Serves `conn` in a thread of its own, evicting a stranger's handshake when every slot is taken."""
-    if not self._slots.acquire(blocking=False):
-      if not (self._evict() and self._slots.acquire(timeout=wire.HANDSHAKE_S)):
-        conn.close()
-        self.refusals.note(f"{addr[0]}:{addr[1]}", wire.Refused(
-            f"more than {max_connections(self._me.count)} connections at once", "limit"))
-        return
+    """Serves `conn` in a thread of its own, if the door lets it in."""
+    if not self._door.admit(conn):
+      conn.close()
+      self.refusals.note(f"{addr[0]}:{addr[1]}", wire.Refused(
+          f"more than {max_connections(self._me.count)} connections at once", "limit"))
+      return
     thread = threading.Thread(target=self._handle, args=(conn, addr), name="tfdp-peer-conn",
                               daemon=True)
     with self._lock:
       self._conns.add(conn)
       self._threads.add(thread)
-      self._pending[conn] = time.monotonic()
     try:
       thread.start()
     except BaseException:
       with self._lock:
         self._conns.discard(conn)
         self._threads.discard(thread)
-        self._pending.pop(conn, None)
-      self._slots.release()
+      self._door.leave(conn)
       raise
-
-  def _evict(self) -> bool:
-    """Cuts the oldest connection still in its handshake (its thread then frees its slot)."""
-    with self._lock:
-      if not self._pending:
-        return False
-      conn = min(self._pending, key=self._pending.get)
-      del self._pending[conn]
-    try:
-      conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-      pass
-    return True
 
   def _handle(self, conn, addr):
     where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
     sender, reporting, authed, in_frame = None, False, False, False
     try:
       try:
-        sender, channel = wire.serve_handshake(conn, self._secret, self._me.index,
-                                               self._me.count)
+        sender, channel = channel_lib.serve_handshake(conn, self._secret, self._me.index,
+                                                      self._me.count)
       except OSError as e:  # Not even a handshake: a stranger, a port scan, or evicted.
         raise wire.Refused(f"the handshake did not complete ({e})", "handshake") from None
-      with self._lock:
-        self._pending.pop(conn, None)
-        authed = True
-        self._authed[sender] = self._authed.get(sender, 0) + 1
-        if self._authed[sender] > PER_PEER_CONNECTIONS:
-          raise wire.Refused(f"worker {sender} holds more than {PER_PEER_CONNECTIONS} "
-                             "connections at once", "limit")
+      authed = True
+      self._door.authenticated(conn, sender)
       while not self._closed:
         channel.settimeout(None)  # An authenticated peer's connection idles between saves.
         header = channel.read_header()
@@ -274,11 +245,8 @@ class PeerLink:
       finally:
         with self._lock:
           self._conns.discard(conn)
-          self._pending.pop(conn, None)
-          if authed:
-            self._authed[sender] -= 1
           self._threads.discard(threading.current_thread())
-        self._slots.release()
+        self._door.leave(conn, sender if authed else None)
 
   def _count(self, sender, change):
     """Counts a worker's connections that carry its reports: once all ended, it is gone."""
@@ -294,31 +262,6 @@ class PeerLink:
     if free is not None and nbytes > free:
       raise wire.Refused(f"{nbytes} bytes, {free} free in the local tier", "space")
 
-  def _note_sent(self, step):
-    with self._lock:
-      if not self._sent or step > self._sent[-1]:
-        self._sent = (self._sent + [step])[-2:]
-
-  def _check_step(self, kind, sender, step):
-    """Refuses a report of a step far ahead of the newest this worker knows of the job."""
-    with self._lock:
-      known = [s for s in (self._known.get(sender), self._sent[-1] if self._sent else None)
-               if s is not None]
-      gap = self._sent[1] - self._sent[0] if len(self._sent) == 2 else 1
-    if not known and self._own_step is not None:
-      own = self._own_step()
-      known = [] if own is None else [own]
-    if not known:
-      return  # The first report of a job: nothing to bound it by yet.
-    limit = max(known) + max(AHEAD_GENERATIONS * gap, AHEAD_MIN_STEPS)
-    if step > limit:
-      raise wire.Refused(f"a {kind} of step {step}, far ahead of step {max(known)}, the newest "
-                         f"this worker knows of the job", "step")
-
-  def _known_step(self, sender, step):
-    with self._lock:
-      self._known[sender] = max(step, self._known.get(sender, step))
-
   def _dispatch(self, conn, sender, header):
     kind, step, sizes = header["kind"], header["step"], header["sizes"]
     if kind == wire.PER_WORKER:
@@ -327,7 +270,7 @@ class PeerLink:
                            "worker's left neighbour", "neighbour")
       if sum(sizes) > MAX_PER_WORKER_BYTES:
         raise wire.Refused(f"a per-worker state of {sum(sizes)} bytes", "size")
-      self._check_step(kind, sender, step)
+      self._steps.check(kind, sender, step)
       self._check_space(sum(sizes))
       blobs = conn.read_blobs(sizes)
       conn.end_frame()
@@ -336,14 +279,14 @@ class PeerLink:
       except ValueError as e:
         raise wire.Refused(str(e), "dtype") from None
       self._on_replica(sender, step, header, blobs)
-      self._known_step(sender, step)
+      self._steps.known(sender, step)
       conn.send({"kind": wire.ACK, "step": step, "from": self._me.index})
       return
     if kind == wire.DONE:
-      self._check_step(kind, sender, step)
+      self._steps.check(kind, sender, step)
       conn.end_frame()
       self._on_done(sender, step)
-      self._known_step(sender, step)
+      self._steps.known(sender, step)
       return
     with self._lock:
       expected = self._expected.get((kind, step, sender))
@@ -409,11 +352,11 @@ class PeerLink:
 
   # -- sending --
 
-  def _connect(self, to: int) -> wire.Channel:
+  def _connect(self, to: int) -> channel_lib.Channel:
     """An authenticated connection to worker `to` (a Channel: its frames carry MACs)."""
     sock = socket.create_connection(self._peers[to], timeout=_CONNECT_TIMEOUT_S)
     try:
-      return wire.client_handshake(sock, self._secret, self._me.index, to)
+      return channel_lib.client_handshake(sock, self._secret, self._me.index, to)
     except BaseException:
       sock.close()
       raise
@@ -465,7 +408,7 @@ class PeerLink:
     to = self.neighbour
     if self._closed or time.monotonic() < self._down_until.get(to, 0.0):
       return False
-    self._note_sent(step)
+    self._steps.sent(step)
     description, blobs = wire.tensors_to_wire(tensors)
     header = {"kind": wire.PER_WORKER, "step": step, "from": self._me.index,
               "keys": description["keys"], "token": token, "world_size": self._me.count}
@@ -487,7 +430,7 @@ class PeerLink:
 
   def report_done(self, step: int, skip=()) -> None:
     """Tells every other worker (but `skip`) that this worker's part of `step` is done."""
-    self._note_sent(step)
+    self._steps.sent(step)
     for to in range(self._me.count):
       if (to == self._me.index or to in skip or self._closed
           or time.monotonic() < self._down_until.get(to, 0.0)):

@@ -2,8 +2,8 @@
 
 The local tier lives in host memory (`/dev/shm`) or a temp dir, places
 every user of the host can write. A name there is never trusted: the
-tier's root is per user (`$XDG_RUNTIME_DIR/tfdp` where that is private,
-else `/dev/shm/tfdp-<uid>`, else `<tempdir>/tfdp-<uid>`), and `ensure_dir`
+tier's root is per user (layout.user_local_root: `$XDG_RUNTIME_DIR/tfdp`
+where that is private, else `/dev/shm/tfdp-<uid>`, else the temp dir's), and `ensure_dir`
 makes a directory (0700) or checks the one found: owned by the effective
 user, no access for others, no symbolic link among the components it owns,
 and no ancestor another user can rename (a symlink above it is followed
@@ -15,12 +15,11 @@ job whose processes run as users of one group.
 
 import os
 import stat
-import tempfile
 
 from tfdp import errors
+from tfdp.checkpoint import layout
 
 GROUP_ACCESS_ENV = "TFDP_GROUP_ACCESS"
-XDG_SUBDIR = "tfdp"
 
 
 def group_access() -> bool:
@@ -50,24 +49,6 @@ def _others_can_rename_in(st) -> bool:
   if not _mine(st.st_uid):
     return True
   return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)) and not st.st_mode & stat.S_ISVTX
-
-
-def _is_private(path: str) -> bool:
-  try:
-    st = os.lstat(path)
-  except OSError:
-    return False
-  return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-          and not st.st_mode & _forbidden())
-
-
-def default_root() -> str:
-  """This user's root of local tiers: `$XDG_RUNTIME_DIR/tfdp` (when private), `/dev/shm/tfdp-<uid>`, the temp dir's."""
-  xdg = os.environ.get("XDG_RUNTIME_DIR")
-  if xdg and os.path.isabs(xdg) and _is_private(xdg):
-    return os.path.join(xdg, XDG_SUBDIR)
-  base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-  return os.path.join(base, f"tfdp-{os.geteuid()}")
 
 
 def _refuse(path: str, problem: str, fix: str) -> errors.ConfigError:
@@ -159,12 +140,12 @@ def ensure_dir(path: str, owned_from: str | None = None) -> str:
 def tier_dir(directory: str) -> str:
   """Makes a worker's local-tier folder `directory` (`<root>/worker-i`) private: ensure_dir from its root.
 
-  Under the default root, that root (`default_root()`) and everything in
+  Under the default root, that root (layout.user_local_root) and everything in
   it is this user's; under a user's local_checkpoint_dir, that directory
   (the folder's parent) and everything in it.
   """
   directory = os.path.abspath(directory)
-  root = default_root()
+  root = layout.user_local_root()
   inside = directory.startswith(root.rstrip("/") + "/")
   return ensure_dir(directory, root if inside else os.path.dirname(directory))
 

@@ -1,6 +1,5 @@
 """The per-worker states a worker keeps of its left neighbour, one file each: whole or absent."""
 
-import json
 import os
 import struct
 import threading
