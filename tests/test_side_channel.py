@@ -16,10 +16,13 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from tests import tier_runs
 from tests.conftest import WORKERS
+from tests.conftest import launch_workers
+from tests.test_fit_data_position import two_worker_reference_runs  # pylint: disable=unused-import
 from tests.tier_runs import replaced_host_job  # pylint: disable=unused-import
 from tfdp.checkpoint import channel
 from tfdp.checkpoint import copies
@@ -341,58 +344,10 @@ def test_a_frame_spliced_from_another_connection_or_replayed_is_refused_by_its_m
     second.close()
 
 
-class _Trickle:
-  """A stranger holding every slot of some side channels: each connection sends a byte a second, forever.
-
-  A connection the server closes is opened again at once; `longest` is
-  the longest any one stayed open (the server cut it, or it is still open).
-  """
-
-  def __init__(self, ports, per_port):
-    self._ports, self._per_port = ports, per_port
-    self._stop = threading.Event()
-    self.longest, self.opened = 0.0, 0
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-
-  def _open(self, port):
-    self.opened += 1
-    return socket.create_connection(("localhost", port), timeout=5), time.monotonic()
-
-  def _run(self):
-    conns = [self._open(p) for p in self._ports for _ in range(self._per_port)]
-    while not self._stop.wait(0.25):
-      for i, (sock, since) in enumerate(conns):
-        alive = True
-        try:
-          sock.setblocking(False)
-          try:
-            while sock.recv(4096):  # The server's hello, or its close.
-              pass
-            alive = False
-          except BlockingIOError:
-            pass
-          if alive and time.monotonic() - since >= 1:
-            sock.sendall(b"t")
-        except OSError:
-          alive = False
-        if not alive:
-          self.longest = max(self.longest, time.monotonic() - since)
-          sock.close()
-          conns[i] = self._open(self._ports[i // self._per_port])
-    now = time.monotonic()
-    for sock, since in conns:
-      self.longest = max(self.longest, now - since)
-      sock.close()
-
-  def stop(self):
-    self._stop.set()
-    self._thread.join(10)
-
-
 def test_trickling_strangers_holding_every_slot_keep_no_worker_out(tiers):
   """Every slot of both servers held, over and over: the workers still connect, replicate and complete."""
-  trickle = _Trickle([t.link.port for t in tiers], peers.max_connections(2))
+  trickle = ft_stranger.Trickle([("localhost", t.link.port) for t in tiers],
+                               peers.max_connections(2))
   try:
     time.sleep(1.0)  # Every slot is the stranger's now.
     for step in (2, 4):
@@ -410,3 +365,31 @@ def test_trickling_strangers_holding_every_slot_keep_no_worker_out(tiers):
   # No stranger held a slot past the handshake's deadline (its eviction by a worker came sooner).
   assert trickle.longest < channel.HANDSHAKE_S + 1.0, trickle.longest
   assert trickle.opened > 2 * peers.max_connections(2) * 2
+
+
+@pytest.mark.slow
+def test_a_job_under_strangers_holding_every_slot_replicates_and_ends_bitwise_equal(
+    tmp_path, two_worker_reference_runs):  # pylint: disable=redefined-outer-name
+  """tests/workers/ft_trickle.py: ft_fit's plain fit while a stranger holds every slot of both workers.
+
+  Every connection between the workers is made while the slots are held:
+  they connect, replicate and complete their steps, no stranger keeps a
+  slot past the handshake's deadline, and the run ends bitwise equal to the
+  uninterrupted one (the reference test_recovery compares with too).
+  """
+  code, out = launch_workers(
+      [sys.executable, os.path.join(WORKERS, "ft_trickle.py"), str(tmp_path)],
+      env={"FT_LOCAL_EVERY": str(tier_runs.LOCAL_EVERY), "FT_SAVE_FREQ": "100"})
+  assert code == 0, out[-5000:]
+  reports = {int(m.group(1)): json.loads(m.group(2))
+             for m in tier_runs.lines(out, r"worker (\d): trickled: (\{.*\})")}
+  assert sorted(reports) == [0, 1], out[-5000:]
+  for report in reports.values():
+    assert report["kept"] and report["floor"] is not None, reports
+    assert report["floor"] >= max(report["kept"]) - 2 * tier_runs.LOCAL_EVERY, reports
+    assert report["refused"] > 0, reports  # The stranger's connections, cut.
+  assert reports[0]["opened"] > 2 * peers.max_connections(2), reports  # Some cut, opened again.
+  assert reports[0]["longest"] < channel.HANDSHAKE_S + 1.5, reports
+  ref = tier_runs.weights(two_worker_reference_runs["root"] + "/ref", 0)
+  for worker in (0, 1):
+    np.testing.assert_array_equal(ref, tier_runs.weights(str(tmp_path), worker))

@@ -18,6 +18,7 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 import time
 
 MAGIC = b"tfdp-peer-v2"  # As tfdp.checkpoint.wire; copied: this process imports no tfdp.
@@ -182,6 +183,70 @@ def _send(sock, head, blobs=()):
       sock.sendall(struct.pack("<Q", len(head)) + head + b"".join(blobs))
   except OSError:
     pass  # The server closed on the header: _outcome says so.
+
+
+class Trickle:
+  """A stranger holding every slot of some side channels: each connection sends a byte a second, forever.
+
+  A connection the server closes is opened again at once; `longest` is
+  the longest any one stayed open (the server cut it, or it is still open),
+  `opened` how many were opened in all, `seconds` how long it held them.
+
+  Args:
+    targets: (host, port) of each side channel.
+    per_port: connections held on each.
+  """
+
+  def __init__(self, targets, per_port):
+    self._targets, self._per_port = [tuple(t) for t in targets], per_port
+    self._stop = threading.Event()
+    self.longest, self.opened, self.seconds = 0.0, 0, 0.0
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _open(self, target):
+    try:
+      sock = socket.create_connection(target, timeout=5)
+    except OSError:  # The job ended (its server is closed): nothing to hold.
+      return None, time.monotonic()
+    self.opened += 1
+    return sock, time.monotonic()
+
+  def _run(self):
+    start = time.monotonic()
+    conns = [self._open(t) for t in self._targets for _ in range(self._per_port)]
+    while not self._stop.wait(0.25):
+      for i, (sock, since) in enumerate(conns):
+        if sock is None:
+          conns[i] = self._open(self._targets[i // self._per_port])
+          continue
+        alive = True
+        try:
+          sock.setblocking(False)
+          try:
+            while sock.recv(4096):  # The server's hello, or its close.
+              pass
+            alive = False
+          except BlockingIOError:
+            pass
+          if alive and time.monotonic() - since >= 1:
+            sock.sendall(b"t")
+        except OSError:
+          alive = False
+        if not alive:
+          self.longest = max(self.longest, time.monotonic() - since)
+          sock.close()
+          conns[i] = self._open(self._targets[i // self._per_port])
+    now = time.monotonic()
+    self.seconds = now - start
+    for sock, since in conns:
+      if sock is not None:
+        self.longest = max(self.longest, now - since)
+        sock.close()
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join(10)
 
 
 def main(report, canary, *targets):
