@@ -18,6 +18,7 @@ import tempfile
 import pytest
 
 from tests import tier_runs
+from tests.conftest import launch_workers
 from tfdp import errors
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import layout as layout_lib
@@ -208,3 +209,27 @@ def test_the_stranger_can_read_no_file_of_the_tier_or_the_backup(stranger, share
       continue  # TF writes its state file (names only) with the umask; the folder is 0700.
     mode = stat.S_IMODE(os.lstat(path).st_mode)
     assert mode & 0o077 == 0, (path, oct(mode))
+
+
+@pytest.mark.slow
+def test_a_two_worker_job_refuses_a_planted_local_checkpoint_dir_in_one_line(stranger, shared_place,
+                                                                             tmp_path):
+  """tfdp-train, 2 workers: the local_checkpoint_dir she made a symlink to her folder stops it in one line."""
+  hers = os.path.join(shared_place, "hers")
+  _as(stranger, _PLANT, "dir", hers, "")
+  sentinel = os.path.join(hers, "sentinel")
+  _as(stranger, "import sys; open(sys.argv[1], 'w').write('hers')", sentinel)
+  before = (open(sentinel, "rb").read(), os.stat(sentinel).st_mtime_ns)
+  job = os.path.join(shared_place, "job")
+  _as(stranger, _PLANT, "symlink", job, hers)
+  code, out = launch_workers(
+      [sys.executable, "-m", "tfdp.cli.train", "--strategy=multi_worker", "--model=cnn",
+       "--dataset=synthetic", "--global_batch_size=32", "--num_examples=512",
+       "--steps_per_epoch=8", "--seed=1", "--train_steps=4", f"--model_dir={tmp_path / 'm'}",
+       f"--local_checkpoint_dir={job}", "--local_checkpoint_every_steps=2"])
+  assert code != 0, out[-3000:]
+  refused = [l for l in out.splitlines() if "tfdp-train: error:" in l]
+  assert refused and all(f"directory {job} is a symbolic link" in l for l in refused), out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  assert (open(sentinel, "rb").read(), os.stat(sentinel).st_mtime_ns) == before
+  assert os.listdir(hers) == ["sentinel"]
