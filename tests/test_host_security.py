@@ -88,6 +88,15 @@ def shared_place(tmp_path):
   subprocess.run(["rm", "-rf", base], check=False)
 
 
+def _her_folder(stranger, shared_place):
+  """Her folder in the shared place, with a sentinel file: (folder, sentinel, its (bytes, mtime))."""
+  hers = os.path.join(shared_place, "hers")
+  _as(stranger, _PLANT, "dir", hers, "")
+  sentinel = os.path.join(hers, "sentinel")
+  _as(stranger, "import sys; open(sys.argv[1], 'w').write('hers')", sentinel)
+  return hers, sentinel, (open(sentinel, "rb").read(), os.stat(sentinel).st_mtime_ns)
+
+
 def _one_line(e):
   text = str(e.value)
   assert "\n" not in text and ("remove it" in text or "chmod" in text or "choose" in text), text
@@ -100,11 +109,7 @@ def _one_line(e):
 def test_a_planted_root_or_job_directory_is_refused_in_one_line(stranger, shared_place, plant,
                                                                 monkeypatch):
   """What the stranger pre-creates before the tier starts: refused, and nothing of hers is written."""
-  hers = os.path.join(shared_place, "hers")
-  _as(stranger, _PLANT, "dir", hers, "")
-  sentinel = os.path.join(hers, "sentinel")
-  _as(stranger, "import sys; open(sys.argv[1], 'w').write('hers')", sentinel)
-  before = (open(sentinel, "rb").read(), os.stat(sentinel).st_mtime_ns)
+  hers, sentinel, before = _her_folder(stranger, shared_place)
   root = os.path.join(shared_place, f"tfdp-{os.geteuid()}")  # The default root's name.
   job = os.path.join(shared_place, "job")  # A local_checkpoint_dir in a shared place.
   if plant == "root symlink":
@@ -215,11 +220,7 @@ def test_the_stranger_can_read_no_file_of_the_tier_or_the_backup(stranger, share
 def test_a_two_worker_job_refuses_a_planted_local_checkpoint_dir_in_one_line(stranger, shared_place,
                                                                              tmp_path):
   """tfdp-train, 2 workers: the local_checkpoint_dir she made a symlink to her folder stops it in one line."""
-  hers = os.path.join(shared_place, "hers")
-  _as(stranger, _PLANT, "dir", hers, "")
-  sentinel = os.path.join(hers, "sentinel")
-  _as(stranger, "import sys; open(sys.argv[1], 'w').write('hers')", sentinel)
-  before = (open(sentinel, "rb").read(), os.stat(sentinel).st_mtime_ns)
+  hers, sentinel, before = _her_folder(stranger, shared_place)
   job = os.path.join(shared_place, "job")
   _as(stranger, _PLANT, "symlink", job, hers)
   code, out = launch_workers(
