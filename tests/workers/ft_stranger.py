@@ -18,9 +18,10 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 import time
 
-MAGIC = b"tfdp-peer-v1"  # As tfdp.checkpoint.wire; copied: this process imports no tfdp.
+MAGIC = b"tfdp-peer-v2"  # As tfdp.checkpoint.wire; copied: this process imports no tfdp.
 
 
 def _frame(header, blobs=()):
@@ -62,10 +63,12 @@ def attacks(target, canary):
 
   def handshake(key):
     def send(sock):
-      hello = sock.recv(len(MAGIC) + 32)
-      nonce_s, nonce_c, index = hello[len(MAGIC):], secrets.token_bytes(32), struct.pack("<I", 0)
+      hello = sock.recv(len(MAGIC) + 4 + 32)
+      server, nonce_s = hello[len(MAGIC):len(MAGIC) + 4], hello[len(MAGIC) + 4:]
+      nonce_c, index = secrets.token_bytes(32), struct.pack("<I", 0)
       mac = (b"\0" * 32 if key is None else
-             hmac.new(key, b"C" + MAGIC + nonce_s + nonce_c + index, hashlib.sha256).digest())
+             hmac.new(key, b"client->server" + MAGIC + server + index + nonce_s + nonce_c,
+                      hashlib.sha256).digest())
       sock.sendall(MAGIC + index + nonce_c + mac)
       sock.sendall(_frame(dict(old, **{"from": 0}), [b"\0" * 64]))
     return send
@@ -88,15 +91,27 @@ def attacks(target, canary):
     except OSError:
       pass
   time.sleep(0.5)
-  served = 0
+  served = held = 0
   for sock in flood:
-    sock.settimeout(0.2)
+    sock.settimeout(0.05)
+    got, closed = b"", False
     try:
-      served += bool(sock.recv(len(MAGIC)))
-    except OSError:
+      while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+          closed = True
+          break
+        got += chunk
+    except socket.timeout:
       pass
+    except OSError:
+      closed = True
+    served += bool(got)
+    held += not closed
     sock.close()
-  out["200 connections at once"] = f"{len(flood)} connected, {served} got a handshake"
+  # Each new one evicts the oldest still in its handshake: at most the slots are held.
+  out["200 connections at once"] = (f"{len(flood)} connected, {served} got a handshake, "
+                                    f"{held} held")
   # The server still serves once the flood is over. It may take a moment to
   # drain its accept queue of the flood's closed connections (each holding a
   # slot until its handler sees the close), so ask again for up to 20 s.
@@ -128,19 +143,110 @@ def insider_frames(connect, canary):
       "key list mismatch": dict(good, keys=["a", "b"]),
       "unexpected copy": {"kind": "copy", "from": 0, "step": 777777,
                           "manifest": json.dumps({"prefix": traversal, "files": []})},
+      "list-valued kind": dict(good, kind=["per_worker"]),
+      "list-valued key": dict(good, keys=[["a"]]),
+      "a state at step 10^9": dict(good, step=10 ** 9),
+      "done at 2^53-1": {"kind": "done", "from": 0, "step": 2 ** 53 - 1},
   }
+  blobs = {"unexpected copy": [b"x", b"y"], "done at 2^53-1": [],
+           # A TensorProto of dtype DT_VARIANT (field 1 = 21), at an old step.
+           "a variant dtype": [b"\x08\x15"]}
+  frames["a variant dtype"] = dict(good, step=1)
   out = {}
   for name, header in frames.items():
     with connect() as sock:
-      sock.sendall(_frame(header, [b"\0" * 64] if header.get("kind") != "copy" else [b"x", b"y"]))
+      _send(sock, json.dumps(dict(header, sizes=[len(b) for b in blobs.get(name, [b"\0" * 64])])
+                             ).encode(), blobs.get(name, [b"\0" * 64]))
       out[name] = _outcome(sock)
   with connect() as sock:
     sock.sendall(struct.pack("<Q", 1 << 40))
     out["oversized header"] = _outcome(sock)
   with connect() as sock:
-    sock.sendall(struct.pack("<Q", 5) + b"\xff\xfe{[\x00")
+    _send(sock, b"\xff\xfe{[\x00")
     out["not JSON"] = _outcome(sock)
+  with connect() as sock:
+    _send(sock, b"[" * 200_000 + b"]" * 200_000)
+    out["a 200,000-deep header"] = _outcome(sock)
+  with connect() as sock:  # 1 GiB announced, none sent: nothing may be allocated for it.
+    head = json.dumps(dict(good, step=1, sizes=[1 << 30])).encode()
+    _send(sock, head)  # The header and its MAC; the blob's bytes never come.
+    out["a 1 GiB announced blob with no data"] = _outcome(sock)
   return out
+
+
+def _send(sock, head, blobs=()):
+  """A frame with header bytes `head`: MAC'd on a tfdp Channel (a worker's), plain on a socket."""
+  try:
+    if hasattr(sock, "send_raw"):
+      sock.send_raw(head, blobs)
+    else:
+      sock.sendall(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+  except OSError:
+    pass  # The server closed on the header: _outcome says so.
+
+
+class Trickle:
+  """A stranger holding every slot of some side channels: each connection sends a byte a second, forever.
+
+  A connection the server closes is opened again at once; `longest` is
+  the longest any one stayed open (the server cut it, or it is still open),
+  `opened` how many were opened in all, `seconds` how long it held them.
+
+  Args:
+    targets: (host, port) of each side channel.
+    per_port: connections held on each.
+  """
+
+  def __init__(self, targets, per_port):
+    self._targets, self._per_port = [tuple(t) for t in targets], per_port
+    self._stop = threading.Event()
+    self.longest, self.opened, self.seconds = 0.0, 0, 0.0
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _open(self, target):
+    try:
+      sock = socket.create_connection(target, timeout=5)
+    except OSError:  # The job ended (its server is closed): nothing to hold.
+      return None, time.monotonic()
+    self.opened += 1
+    return sock, time.monotonic()
+
+  def _run(self):
+    start = time.monotonic()
+    conns = [self._open(t) for t in self._targets for _ in range(self._per_port)]
+    while not self._stop.wait(0.25):
+      for i, (sock, since) in enumerate(conns):
+        if sock is None:
+          conns[i] = self._open(self._targets[i // self._per_port])
+          continue
+        alive = True
+        try:
+          sock.setblocking(False)
+          try:
+            while sock.recv(4096):  # The server's hello, or its close.
+              pass
+            alive = False
+          except BlockingIOError:
+            pass
+          if alive and time.monotonic() - since >= 1:
+            sock.sendall(b"t")
+        except OSError:
+          alive = False
+        if not alive:
+          self.longest = max(self.longest, time.monotonic() - since)
+          sock.close()
+          conns[i] = self._open(self._targets[i // self._per_port])
+    now = time.monotonic()
+    self.seconds = now - start
+    for sock, since in conns:
+      if sock is not None:
+        self.longest = max(self.longest, now - since)
+        sock.close()
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join(10)
 
 
 def main(report, canary, *targets):

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfdp import errors
 from tfdp.checkpoint import layout
+from tfdp.checkpoint import private
 
 # Every function takes a local path or any tf.io.gfile URL. Object stores
 # (gs://, s3://) make an object durable when it is closed and have no
@@ -34,6 +35,16 @@ def fsync_file(path: str) -> None:
     os.close(fd)
 
 
+def restrict(path: str) -> None:
+  """Makes a local file tfdp had TensorFlow write 0600 (private.file_mode); TF's writers follow the umask."""
+  if is_local(path):
+    fd = private.open_file(_local(path), os.O_RDONLY)
+    try:
+      os.fchmod(fd, private.file_mode())
+    finally:
+      os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
   """Makes renames and creations inside directory `path` durable."""
   if not is_local(path):
@@ -54,7 +65,7 @@ def write_atomic(path: str, text: str) -> None:
   """Writes `text` to `path` so readers see all of it or nothing (temp, fsync, rename)."""
   tmp = layout.atomic_tmp_path(path)
   if is_local(path):  # The OS's calls: a local save's record at every step costs little.
-    fd = os.open(_local(tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = private.open_tmp(_local(tmp))  # 0600, O_EXCL, O_NOFOLLOW: nothing planted is written.
     try:
       data = memoryview(text.encode())
       while data:
@@ -105,7 +116,30 @@ def size(path: str) -> int:
 
 
 def makedirs(path: str) -> None:
-  tf.io.gfile.makedirs(path)
+  """Makes directory `path` and its missing parents; local ones tfdp makes are 0700 (private.dir_mode)."""
+  if not is_local(path):
+    tf.io.gfile.makedirs(path)
+    return
+  path = os.path.abspath(_local(path))
+  missing = []
+  while not os.path.isdir(path) and os.path.dirname(path) != path:
+    missing.append(path)
+    path = os.path.dirname(path)
+  for folder in reversed(missing):
+    try:
+      os.mkdir(folder, private.dir_mode())
+    except FileExistsError:
+      if not os.path.isdir(folder):
+        raise
+
+
+def make_private_dir(path: str) -> None:
+  """Makes a worker's local-tier folder, private to this user, or refuses it (private.tier_dir).
+
+  Raises:
+    ConfigError: a component is a symlink, another user's, or open to others.
+  """
+  private.tier_dir(_local(path))
 
 
 def rename(src: str, dst: str) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import stat
 import tempfile
 
 MANIFEST_SUFFIX = ".manifest.json"
@@ -35,9 +36,11 @@ _GOODPUT_PROGRESS_RE = re.compile(r"progress-\d+-\d+\.bin")
 KERAS_FILENAME = "model.keras"
 # Root of the keys of per-worker state: `_tfdp_per_worker/<worker>/<key>`.
 PER_WORKER_ROOT = "_tfdp_per_worker"
-# The local tier: RAM-backed where the host has it (Linux's tmpfs), else the
-# temp dir; one directory per persistent directory, one folder per worker.
-DEFAULT_LOCAL_ROOT = "/dev/shm/tfdp-local"
+# The local tier: in a root private to the user ($XDG_RUNTIME_DIR/tfdp,
+# else RAM-backed /dev/shm/tfdp-<uid>, else the temp dir's), made and
+# checked by tfdp.checkpoint.private; one directory per persistent
+# directory, one folder per worker.
+XDG_SUBDIR = "tfdp"
 _WORKER_DIR = "worker-{}"
 # Inside a worker's local folder: the per-worker states it keeps of a peer,
 # and the markers of a peer recovery under way (tfdp.checkpoint.recovery).
@@ -103,11 +106,24 @@ def is_goodput_progress(filename: str) -> bool:
 
 
 def default_local_root(directory: str) -> str:
-  """The local tier of persistent `directory` when none is given: under /dev/shm, named by its path."""
-  root = DEFAULT_LOCAL_ROOT if os.path.isdir("/dev/shm") else os.path.join(
-      tempfile.gettempdir(), "tfdp-local")
+  """The local tier of persistent `directory` when none is given: in this user's private root, named by its path."""
+  root = user_local_root()
   name = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:16]
   return os.path.join(root, name)
+
+
+def user_local_root() -> str:
+  """This user's root of local tiers: `$XDG_RUNTIME_DIR/tfdp` (when it is private), `/dev/shm/tfdp-<uid>`, the temp dir's."""
+  xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+  try:
+    st = os.lstat(xdg) if os.path.isabs(xdg) else None
+  except OSError:
+    st = None
+  if (st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+      and not st.st_mode & 0o077):
+    return os.path.join(xdg, XDG_SUBDIR)
+  base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+  return os.path.join(base, f"tfdp-{os.geteuid()}")
 
 
 def local_worker_dir(root: str, worker: int) -> str:

@@ -143,7 +143,7 @@ class LocalTier:
   def start(self, token: str, session: str) -> None:
     """Makes the directory and removes what torn saves and cut-short transfers left."""
     self.token, self._session = token, session
-    fs.makedirs(self.layout.directory)
+    fs.make_private_dir(self.layout.directory)
     copies.cleanup(self.layout, session)
     self.replicas.cleanup()
     found = {}

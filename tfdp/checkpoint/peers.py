@@ -13,11 +13,17 @@ Two uses, both moving bytes once:
   neighbour sends it its per-worker state.
 
 The link listens on this worker's own address only. Every connection is
-authenticated with the job's secret before a frame is read, every header
-is checked (tfdp.checkpoint.wire), at most `max_connections` are served at
-once, and a restore's message is accepted only when it is expected, from
-the worker expected to send it. Anything else is dropped, logged once per
-kind of problem, and nothing is written.
+authenticated with the job's secret, naming both ends, before a frame is
+read, and every frame carries a MAC under the connection's own keys
+(tfdp.checkpoint.channel); every header is checked (tfdp.checkpoint.wire).
+At most `max_connections` are served at once: a handshake must finish
+within channel.HANDSHAKE_S, a connection still in its handshake is evicted
+(oldest first) when the slots are full, and one worker holds at most
+PER_PEER_CONNECTIONS. A step far ahead of what this worker knows of the
+job is refused, and a restore's message is accepted only when it is
+expected, from the worker expected to send it. Anything else is dropped,
+logged once per kind of problem, and nothing is written; no error from the
+wire ends the server.
 """
 
 import socket
@@ -26,6 +32,7 @@ import time
 
 from absl import logging
 
+from tfdp.checkpoint import channel as channel_lib
 from tfdp.checkpoint import faults
 from tfdp.checkpoint import fs
 from tfdp.checkpoint import wire
@@ -38,6 +45,9 @@ STALL_S = 10.0  # A transfer that moves no byte for this long has failed (a dead
 # With 2 ** 36 (64 GiB) a per-worker state is absurd: a header asking more is dropped.
 MAX_PER_WORKER_BYTES = 1 << 36
 TRANSFER_FAULT = "during_transfer"  # A fault point: half of a copy's bytes are sent.
+# Authenticated connections one worker may hold at once: its reports, a
+# copy and a state at a restore, and one being replaced.
+PER_PEER_CONNECTIONS = 4
 
 
 def max_connections(num_workers: int) -> int:
@@ -104,18 +114,22 @@ class PeerLink:
     incoming: `fn(step, manifest_json, sizes)` -> the checked offer
       (tfdp.checkpoint.copies.Incoming) of a copy a peer offers at a
       restore, or raises wire.Refused.
+    own_step: `fn()` -> the newest step this worker holds (or None): what a
+      peer's step is bounded by before this worker has sent one itself.
   """
 
-  def __init__(self, me, secret: bytes, directory: str, *, on_replica, on_done, incoming):
+  def __init__(self, me, secret: bytes, directory: str, *, on_replica, on_done, incoming,
+               own_step=None):
     self._me, self._secret, self._directory = me, secret, directory
     self._on_replica, self._on_done, self._incoming = on_replica, on_done, incoming
+    self._steps = wire.StepBound(own_step)
     self._host = own_host(me.address)
     self._server = socket.create_server((self._host, 0), reuse_port=False)
     self.port = self._server.getsockname()[1]
     self._peers = []
     self._lock = threading.Lock()
     self._conns, self._threads = set(), set()
-    self._slots = threading.BoundedSemaphore(max_connections(me.count))
+    self._door = channel_lib.Door(max_connections(me.count), PER_PEER_CONNECTIONS)
     self._expected = {}  # (kind, step, sender) -> _Expected
     self._out = {}  # worker -> authenticated socket (per-worker states, done)
     self._down_until = {}
@@ -160,44 +174,69 @@ class PeerLink:
       if self._closed:
         conn.close()
         return
-      if not self._slots.acquire(blocking=False):
-        conn.close()
-        self.refusals.note(f"{addr[0]}:{addr[1]}", wire.Refused(
-            f"more than {max_connections(self._me.count)} connections at once", "limit"))
-        continue
-      thread = threading.Thread(target=self._handle, args=(conn, addr), name="tfdp-peer-conn",
-                                daemon=True)
-      with self._lock:
-        self._conns.add(conn)
-        self._threads.add(thread)
+      try:
+        self._admit(conn, addr)
+      except Exception as e:  # pylint: disable=broad-except
+        conn.close()  # No thread to be had, or worse: the server goes on.
+        self.refusals.note(str(addr), wire.Refused(f"not served ({e})", "error"))
+
+  def _admit(self, conn, addr):
+    """Serves `conn` in a thread of its own, if the door lets it in."""
+    if not self._door.admit(conn):
+      conn.close()
+      self.refusals.note(f"{addr[0]}:{addr[1]}", wire.Refused(
+          f"more than {max_connections(self._me.count)} connections at once", "limit"))
+      return
+    thread = threading.Thread(target=self._handle, args=(conn, addr), name="tfdp-peer-conn",
+                              daemon=True)
+    with self._lock:
+      self._conns.add(conn)
+      self._threads.add(thread)
+    try:
       thread.start()
+    except BaseException:
+      with self._lock:
+        self._conns.discard(conn)
+        self._threads.discard(thread)
+      self._door.leave(conn)
+      raise
 
   def _handle(self, conn, addr):
     where = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
-    sender, reporting = None, False
+    sender, reporting, authed, in_frame = None, False, False, False
     try:
-      conn.settimeout(wire.HANDSHAKE_S)
       try:
-        sender = wire.serve_handshake(conn, self._secret, self._me.count)
-      except OSError as e:  # Not even a handshake: a stranger, or a port scan.
+        sender, channel = channel_lib.serve_handshake(conn, self._secret, self._me.index,
+                                                      self._me.count)
+      except OSError as e:  # Not even a handshake: a stranger, a port scan, or evicted.
         raise wire.Refused(f"the handshake did not complete ({e})", "handshake") from None
+      authed = True
+      self._door.authenticated(conn, sender)
       while not self._closed:
-        conn.settimeout(None)  # An authenticated peer's connection idles between saves.
-        header = wire.read_header(conn)
+        channel.settimeout(None)  # An authenticated peer's connection idles between saves.
+        header = channel.read_header()
         if header is None:
           return
         wire.check_header(header, sender, self._me.count)
-        conn.settimeout(STALL_S)
-        self._dispatch(conn, sender, header)
+        channel.settimeout(STALL_S)
+        in_frame = True
+        self._dispatch(channel, sender, header)
+        in_frame = False
         if not reporting and header["kind"] in (wire.PER_WORKER, wire.DONE):
           reporting = True  # The connection its reports come by.
           self._count(sender, +1)
     except wire.Refused as e:
       self.refusals.note(where, e)
     except (OSError, ValueError) as e:
-      if not self._closed and not (isinstance(e, ConnectionError) and
-                                   str(e) == "peer closed the connection"):
+      if self._closed:
+        pass
+      elif in_frame:  # Its bytes stopped or did not check: nothing of it is kept.
+        self.refusals.note(where, wire.Refused(f"a message cut short ({e})", "cut"))
+      elif not (isinstance(e, ConnectionError) and str(e) == "peer closed the connection"):
         self._warn_once("cut", "tfdp: a message from a peer was cut short: %s", e)
+    except Exception as e:  # pylint: disable=broad-except
+      # Nothing from the wire ends a thread unseen: counted and logged like a refusal.
+      self.refusals.note(where, wire.Refused(f"{type(e).__name__}: {str(e)[:200]}", "error"))
     finally:
       if reporting:
         self._count(sender, -1)
@@ -207,7 +246,7 @@ class PeerLink:
         with self._lock:
           self._conns.discard(conn)
           self._threads.discard(threading.current_thread())
-        self._slots.release()
+        self._door.leave(conn, sender if authed else None)
 
   def _count(self, sender, change):
     """Counts a worker's connections that carry its reports: once all ended, it is gone."""
@@ -231,12 +270,23 @@ class PeerLink:
                            "worker's left neighbour", "neighbour")
       if sum(sizes) > MAX_PER_WORKER_BYTES:
         raise wire.Refused(f"a per-worker state of {sum(sizes)} bytes", "size")
+      self._steps.check(kind, sender, step)
       self._check_space(sum(sizes))
-      self._on_replica(sender, step, header, wire.read_blobs(conn, sizes))
-      wire.send(conn, {"kind": wire.ACK, "step": step, "from": self._me.index})
+      blobs = conn.read_blobs(sizes)
+      conn.end_frame()
+      try:
+        wire.check_dtypes(header["keys"], blobs)
+      except ValueError as e:
+        raise wire.Refused(str(e), "dtype") from None
+      self._on_replica(sender, step, header, blobs)
+      self._steps.known(sender, step)
+      conn.send({"kind": wire.ACK, "step": step, "from": self._me.index})
       return
     if kind == wire.DONE:
+      self._steps.check(kind, sender, step)
+      conn.end_frame()
       self._on_done(sender, step)
+      self._steps.known(sender, step)
       return
     with self._lock:
       expected = self._expected.get((kind, step, sender))
@@ -250,12 +300,15 @@ class PeerLink:
       if kind == wire.COPY:
         offer = self._incoming(step, header["manifest"], sizes)
         self._check_space(sum(sizes))
-        offer.receive(conn)
+        offer.receive(conn)  # Its bytes feed the frame's MAC, checked before it counts.
+        conn.end_frame()
         expected.finish((header, offer))
       else:
         if sum(sizes) > MAX_PER_WORKER_BYTES:
           raise wire.Refused(f"a per-worker state of {sum(sizes)} bytes", "size")
-        expected.finish((header, wire.read_blobs(conn, sizes)))
+        blobs = conn.read_blobs(sizes)
+        conn.end_frame()
+        expected.finish((header, blobs))
     except BaseException as e:
       expected.finish(error=e)
       raise
@@ -299,21 +352,21 @@ class PeerLink:
 
   # -- sending --
 
-  def _connect(self, to: int) -> socket.socket:
+  def _connect(self, to: int) -> channel_lib.Channel:
+    """An authenticated connection to worker `to` (a Channel: its frames carry MACs)."""
     sock = socket.create_connection(self._peers[to], timeout=_CONNECT_TIMEOUT_S)
     try:
-      wire.client_handshake(sock, self._secret, self._me.index)
+      return channel_lib.client_handshake(sock, self._secret, self._me.index, to)
     except BaseException:
       sock.close()
       raise
-    return sock
 
   def send_copy(self, to: int, step: int, manifest_json: str, path: str, size: int) -> None:
     """Sends a local copy (its record, then `size` bytes of its slot `path`) to worker `to` (a restore)."""
     header = {"kind": wire.COPY, "step": step, "from": self._me.index, "manifest": manifest_json}
     with self._connect(to) as sock:
       sock.settimeout(STALL_S)
-      wire.send_file(sock, header, path, size,
+      sock.send_file(header, path, size,
                      halfway=lambda: faults.reached(TRANSFER_FAULT, self._me.index))
 
   def send_state(self, to: int, step: int, keys, token: str, blobs) -> None:
@@ -322,7 +375,7 @@ class PeerLink:
               "keys": list(keys), "token": token}
     with self._connect(to) as sock:
       sock.settimeout(STALL_S)
-      wire.send(sock, header, blobs)
+      sock.send(header, blobs)
 
   def _outbound(self, to):
     with self._lock:
@@ -355,17 +408,19 @@ class PeerLink:
     to = self.neighbour
     if self._closed or time.monotonic() < self._down_until.get(to, 0.0):
       return False
+    self._steps.sent(step)
     description, blobs = wire.tensors_to_wire(tensors)
     header = {"kind": wire.PER_WORKER, "step": step, "from": self._me.index,
               "keys": description["keys"], "token": token, "world_size": self._me.count}
     try:
       sock = self._outbound(to)
       sock.settimeout(_ACK_TIMEOUT_S)
-      wire.send(sock, header, blobs)
-      ack = wire.read_header(sock)
+      sock.send(header, blobs)
+      ack = sock.read_header()
       if ack is None:
         raise _Closed("the neighbour closed the connection")
       wire.check_header(ack, to, self._me.count)
+      sock.end_frame()
       if ack["kind"] != wire.ACK or ack["step"] != step:
         raise ConnectionError(f"expected the ack of step {step}, got {ack['kind']}")
       return True
@@ -375,12 +430,13 @@ class PeerLink:
 
   def report_done(self, step: int, skip=()) -> None:
     """Tells every other worker (but `skip`) that this worker's part of `step` is done."""
+    self._steps.sent(step)
     for to in range(self._me.count):
       if (to == self._me.index or to in skip or self._closed
           or time.monotonic() < self._down_until.get(to, 0.0)):
         continue
       try:
-        wire.send(self._outbound(to), {"kind": wire.DONE, "step": step, "from": self._me.index})
+        self._outbound(to).send({"kind": wire.DONE, "step": step, "from": self._me.index})
       except OSError as e:
         self._failed(to, "that a step is done", e)
 

@@ -1,6 +1,5 @@
 """The per-worker states a worker keeps of its left neighbour, one file each: whole or absent."""
 
-import json
 import os
 import struct
 import threading
@@ -8,6 +7,7 @@ import threading
 from absl import logging
 
 from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint import private
 from tfdp.checkpoint import wire
 
 
@@ -39,8 +39,11 @@ class Replicas:
     tmp = layout_lib.atomic_tmp_path(path)
     record = {k: header[k] for k in ("keys", "token", "world_size")}
     with self._lock:
-      os.makedirs(os.path.dirname(path), exist_ok=True)
-      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      try:
+        os.mkdir(os.path.dirname(path), private.dir_mode())
+      except FileExistsError:
+        pass
+      fd = private.open_tmp(tmp)  # 0600, O_EXCL, O_NOFOLLOW.
       try:
         os.writev(fd, wire.frame(dict(record, step=step, source=source), blobs))
       finally:
@@ -55,16 +58,28 @@ class Replicas:
                   if s is not None)
 
   def get(self, source: int, step: int) -> tuple[dict, list] | None:
-    """(description, blobs) of `source`'s per-worker state at `step`, or None."""
+    """(description, blobs) of `source`'s per-worker state at `step`, or None (absent, torn or malformed).
+
+    A file that is not what `put` wrote (cut short, planted, or of another
+    version) is treated like a corrupt copy: None, never an exception.
+    """
     try:
-      with open(self._path(source, step), "rb") as f:
+      with os.fdopen(private.open_file(self._path(source, step), os.O_RDONLY), "rb") as f:
         raw = f.read()
       (n,) = struct.unpack("<Q", raw[:8])
-      header = json.loads(raw[8:8 + n])
-    except (OSError, ValueError, struct.error):
+      header = wire.parse_header(raw[8:8 + n])
+      sizes, keys = header.get("sizes"), header.get("keys")
+      if (not isinstance(sizes, list) or not isinstance(keys, list) or len(keys) != len(sizes)
+          or not all(wire._is_int(s) and s >= 0 for s in sizes)  # pylint: disable=protected-access
+          or not all(isinstance(k, str) for k in keys) or not isinstance(header.get("token"), str)
+          or 8 + n + sum(sizes) != len(raw)):
+        raise ValueError("not a kept per-worker state")
+    except (OSError, ValueError, struct.error, wire.Refused):
+      logging.warning("tfdp: %s is not a whole per-worker state; it is not used.",
+                      self._path(source, step))
       return None
     blobs, at = [], 8 + n
-    for size in header["sizes"]:
+    for size in sizes:
       blobs.append(raw[at:at + size])
       at += size
     return header, blobs

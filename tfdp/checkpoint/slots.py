@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfdp import errors
 from tfdp.checkpoint import faults
+from tfdp.checkpoint import private
 from tfdp.checkpoint import restore_phases
 from tfdp.checkpoint.manifest import SlotTensor
 
@@ -176,8 +177,10 @@ class Slot:
     if self._map is not None and len(self._map) >= size and os.path.exists(self.path):
       return
     self.close()
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = private.open_file(self.path, os.O_RDWR | os.O_CREAT)  # 0600, never through a symlink.
     try:
+      if os.fstat(fd).st_mode & 0o777 & ~private.file_mode():  # Made by an older tfdp (0644).
+        os.fchmod(fd, private.file_mode())
       have = os.fstat(fd).st_size
       want = max(size, have, mmap.PAGESIZE)
       if want > have or size > 0:
@@ -349,7 +352,7 @@ def value_of(entry: SlotTensor, data):
 
 def open_read(path: str, size: int):
   """A read-only mapping of the first `size` bytes of slot `path`, faulted in at once."""
-  with open(path, "rb") as f:
+  with os.fdopen(private.open_file(path, os.O_RDONLY), "rb") as f:
     if size == 0:
       return memoryview(b"")
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)

@@ -193,9 +193,11 @@ def seal(prefix: str, keys_per_file: list[list[str]],
       raise errors.CheckpointError(
           f"{path}: {size} bytes after merge, worker wrote {sizes[k]}; the file system "
           "lost data.")
+    fs.restrict(path)
     fs.fsync_file(path)
     files.append(manifest_lib.FileRecord(os.path.basename(path), size, tensors=list(keys)))
   index = layout_lib.index_path(prefix)
+  fs.restrict(index)
   fs.fsync_file(index)
   files.insert(0, manifest_lib.describe_file(index))
   fs.fsync_dir(os.path.dirname(prefix))

@@ -1,39 +1,38 @@
-"""The side channel's wire: an HMAC handshake on the job's secret, framed messages, and what a header may hold.
+"""The side channel's frames and what a header may hold: nothing in this module trusts the wire.
 
-Nothing in this module trusts the wire. A connection is authenticated
-before any frame is read: the server sends a fresh nonce, the client
-answers with its worker index, its own nonce and an HMAC-SHA256 of both
-under the job's secret (tfdp.cluster.shared_secret), and the server
-proves it knows the secret too (so a worker never sends its state to a
-process that took a dead peer's port). A frame is an 8-byte length, a JSON
-header and byte blobs; `check_header` validates every field of a header
-(known kind, integer worker ids in range, integer steps, bounded sizes)
-before anything acts on it, and no path is ever made from a header.
+A frame is an 8-byte length, a JSON header (of bounded size and depth),
+then byte blobs, read as they arrive and never allocated whole from a
+header. `check_header` validates every field of a header (known kind,
+integer worker ids in range, integer steps, bounded sizes) before anything
+acts on it, and no path is ever made from a header; per-worker tensors are
+numbers, bools or strings. On the wire every frame goes through an
+authenticated tfdp.checkpoint.channel.Channel, which adds its MACs; the
+plain framing here is also the format of a kept per-worker state's file.
 """
 
-import hashlib
-import hmac
 import json
-import secrets
+import re
+import socket
 import struct
+import threading
+import time
 
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2
+from tensorflow.core.framework import types_pb2
 
-MAGIC = b"tfdp-peer-v1"
-_NONCE = 32
-_MAC = hashlib.sha256().digest_size
-_INDEX = struct.Struct("<I")
-HELLO_BYTES = len(MAGIC) + _NONCE  # server -> client
-ANSWER_BYTES = len(MAGIC) + _INDEX.size + _NONCE + _MAC  # client -> server
-HANDSHAKE_S = 5.0  # A connection that has not authenticated by then is dropped.
-
+LENGTH = struct.Struct("<Q")  # A frame's header length.
 # Bounds on what a header may ask for.
 MAX_HEADER_BYTES = 4 << 20  # A copy's header holds its manifest (every tensor's key).
+MAX_HEADER_DEPTH = 8  # Nesting of a header's JSON ([] and {}); the protocol's needs 2.
 MAX_BLOBS = 4096
 MAX_KEY_CHARS = 4096
 MAX_TOKEN_CHARS = 128
 MAX_STEP = 2 ** 53
+# How far ahead of the steps a worker knows a peer's report may be (StepBound).
+AHEAD_GENERATIONS = 4
+AHEAD_MIN_STEPS = 1000
+_CHUNK = 1 << 20  # A blob's memory grows by what arrived, at most this much ahead.
 
 # Kinds of frames and the fields each may have (besides kind, from, step, sizes).
 PER_WORKER, ACK, DONE, COPY, PER_WORKER_COPY = (
@@ -62,15 +61,22 @@ class Refused(Exception):
     self.key = key
 
 
-def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes, index: bytes) -> bytes:
-  return hmac.new(secret, role + MAGIC + nonce_s + nonce_c + index, hashlib.sha256).digest()
+def recv_exact(sock, n: int, deadline: float | None = None) -> bytearray:
+  """Exactly `n` bytes from `sock`; ConnectionError when the peer closes first.
 
-
-def recv_exact(sock, n: int) -> bytearray:
-  """Exactly `n` bytes from `sock`; ConnectionError when the peer closes first."""
+  Args:
+    sock: a socket.
+    n: the bytes to read.
+    deadline: a time.monotonic() by which all must have come (socket.timeout then).
+  """
   buf = bytearray(n)
   view, got = memoryview(buf), 0
   while got < n:
+    if deadline is not None:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise socket.timeout("the handshake took too long")
+      sock.settimeout(left)
     k = sock.recv_into(view[got:])
     if not k:
       raise ConnectionError("peer closed the connection")
@@ -78,75 +84,82 @@ def recv_exact(sock, n: int) -> bytearray:
   return buf
 
 
-def serve_handshake(sock, secret: bytes, num_workers: int) -> int:
-  """The server's half: returns the authenticated worker index of the client.
-
-  Raises:
-    Refused: the client does not speak the protocol, or does not know the secret.
-    OSError: the connection failed or timed out.
-  """
-  nonce_s = secrets.token_bytes(_NONCE)
-  sock.sendall(MAGIC + nonce_s)
-  answer = bytes(recv_exact(sock, ANSWER_BYTES))
-  magic, rest = answer[:len(MAGIC)], answer[len(MAGIC):]
-  if magic != MAGIC:
-    raise Refused("not a tfdp side-channel client (no handshake)", "handshake")
-  index = rest[:_INDEX.size]
-  nonce_c = rest[_INDEX.size:_INDEX.size + _NONCE]
-  mac = rest[_INDEX.size + _NONCE:]
-  if not hmac.compare_digest(mac, _mac(secret, b"C", nonce_s, nonce_c, index)):
-    raise Refused("failed authentication: not a worker of this job", "auth")
-  (worker,) = _INDEX.unpack(index)
-  if worker >= num_workers:
-    raise Refused(f"claims worker {worker} of a job of {num_workers}", "auth")
-  sock.sendall(_mac(secret, b"S", nonce_s, nonce_c, index))
-  return worker
-
-
-def client_handshake(sock, secret: bytes, worker: int) -> None:
-  """The client's half, as worker `worker`.
-
-  Raises:
-    ConnectionError: the server is not a worker of this job.
-    OSError: the connection failed or timed out.
-  """
-  hello = bytes(recv_exact(sock, HELLO_BYTES))
-  if hello[:len(MAGIC)] != MAGIC:
-    raise ConnectionError("the peer does not speak tfdp's side channel")
-  nonce_s, nonce_c = hello[len(MAGIC):], secrets.token_bytes(_NONCE)
-  index = _INDEX.pack(worker)
-  sock.sendall(MAGIC + index + nonce_c + _mac(secret, b"C", nonce_s, nonce_c, index))
-  proof = bytes(recv_exact(sock, _MAC))
-  if not hmac.compare_digest(proof, _mac(secret, b"S", nonce_s, nonce_c, index)):
-    raise ConnectionError("the peer is not a worker of this job (wrong proof)")
-
-
 # -- frames --
 
 def frame(header: dict, blobs=()) -> list:
-  """A message as buffers: its header's length, the header (JSON), the blobs."""
+  """A message as buffers, unauthenticated: its header's length, the header (JSON), the blobs.
+
+  The format of a kept per-worker state's file (tfdp.checkpoint.replicas);
+  on the wire, channel.Channel adds the MACs.
+  """
   blobs = [memoryview(b).cast("B") for b in blobs]
   head = json.dumps(dict(header, sizes=[b.nbytes for b in blobs])).encode()
-  return [struct.pack("<Q", len(head)) + head] + blobs
+  return [LENGTH.pack(len(head)) + head] + blobs
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def parse_header(raw: bytes) -> dict:
+  """A header's JSON object, refused when it is not one, or nests deeper than MAX_HEADER_DEPTH.
+
+  Raises:
+    Refused: naming what is wrong.
+  """
+  depth = 0
+  for m in _BRACKET.finditer(_STRING.sub(b'""', raw)):  # Brackets outside strings.
+    depth += 1 if m.group() in b"[{" else -1
+    if depth > MAX_HEADER_DEPTH:
+      raise Refused(f"a header nested deeper than {MAX_HEADER_DEPTH}", "header")
+  try:
+    header = json.loads(raw)
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    raise Refused(f"a header that is not JSON ({str(e)[:80]})", "header") from None
+  if not isinstance(header, dict):
+    raise Refused("a header that is not a JSON object", "header")
+  return header
+
+
+def read_length(sock) -> int | None:
+  """A frame's header length (bounded); None when the peer closed between frames."""
+  first = sock.recv(1)
+  if not first:
+    return None
+  (n,) = LENGTH.unpack(bytes(first) + bytes(recv_exact(sock, LENGTH.size - 1)))
+  if n > MAX_HEADER_BYTES:
+    raise Refused(f"a header of {n} bytes (more than {MAX_HEADER_BYTES})", "header")
+  return n
+
+
+def grow_into(recv_into, size: int) -> bytearray:
+  """`size` bytes by `recv_into`, the buffer growing with what arrived (an empty promise allocates nothing)."""
+  buf = bytearray()
+  while len(buf) < size:
+    at = len(buf)
+    buf.extend(bytes(min(_CHUNK, size - at)))
+    view = memoryview(buf)
+    try:
+      while at < len(buf):
+        k = recv_into(view[at:])
+        if not k:
+          raise ConnectionError("peer closed the connection")
+        at += k
+    finally:
+      view.release()
+  return buf
 
 
 def send(sock, header: dict, blobs=()) -> None:
+  """Sends a frame on a plain socket, unauthenticated (tfdp.checkpoint.channel.Channel adds the MACs)."""
   for part in frame(header, blobs):
     sock.sendall(part)
 
 
 def send_file(sock, header: dict, path: str, size: int, halfway=None) -> None:
-  """A message whose one blob is the first `size` bytes of a file, sent by the kernel (sendfile).
-
-  Args:
-    sock: the authenticated socket.
-    header: the header (its `sizes` are [size]).
-    path: the file (a local copy's slot).
-    size: its bytes to send.
-    halfway: called once half of them are sent (a fault point of the tests).
-  """
+  """A frame whose one blob is the first `size` bytes of a file, sent by the kernel (sendfile), unauthenticated."""
   head = json.dumps(dict(header, sizes=[size])).encode()
-  sock.sendall(struct.pack("<Q", len(head)) + head)
+  sock.sendall(LENGTH.pack(len(head)) + head)
   with open(path, "rb") as f:
     if sock.sendfile(f, 0, size // 2) != size // 2:
       raise ConnectionError(f"{path} is shorter than {size} bytes")
@@ -157,28 +170,18 @@ def send_file(sock, header: dict, path: str, size: int, halfway=None) -> None:
 
 
 def read_header(sock) -> dict | None:
-  """The next frame's header, parsed but not yet checked; None when the peer closed between frames.
+  """The next frame's header on a plain socket, parsed but not yet checked; None when the peer closed.
 
   Raises:
     Refused: an oversized or unparsable header.
   """
-  first = sock.recv(1)
-  if not first:
-    return None
-  (n,) = struct.unpack("<Q", bytes(first) + bytes(recv_exact(sock, 7)))
-  if n > MAX_HEADER_BYTES:
-    raise Refused(f"a header of {n} bytes (more than {MAX_HEADER_BYTES})", "header")
-  try:
-    header = json.loads(bytes(recv_exact(sock, n)))
-  except (UnicodeDecodeError, ValueError) as e:
-    raise Refused(f"a header that is not JSON ({e})", "header") from None
-  if not isinstance(header, dict):
-    raise Refused("a header that is not a JSON object", "header")
-  return header
+  n = read_length(sock)
+  return None if n is None else parse_header(bytes(recv_exact(sock, n)))
 
 
 def read_blobs(sock, sizes) -> list[bytearray]:
-  return [recv_exact(sock, size) for size in sizes]
+  """A frame's blobs from a plain socket, each growing as its bytes arrive."""
+  return [grow_into(sock.recv_into, size) for size in sizes]
 
 
 def _is_int(v) -> bool:
@@ -192,7 +195,7 @@ def check_header(header: dict, sender: int, num_workers: int) -> None:
     Refused: naming the first field that is wrong.
   """
   kind = header.get("kind")
-  if kind not in _FIELDS:
+  if not isinstance(kind, str) or kind not in _FIELDS:
     raise Refused(f"unknown kind {str(kind)[:40]!r}")
   extra = set(header) - _COMMON - _FIELDS[kind]
   if extra:
@@ -211,8 +214,9 @@ def check_header(header: dict, sender: int, num_workers: int) -> None:
     raise Refused(f"{kind}: carries data")
   if kind in (PER_WORKER, PER_WORKER_COPY):
     keys = header.get("keys")
-    if (not isinstance(keys, list) or len(keys) != len(sizes) or len(set(keys)) != len(keys)
-        or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY_CHARS for k in keys)):
+    if (not isinstance(keys, list) or len(keys) != len(sizes)
+        or not all(isinstance(k, str) and 0 < len(k) <= MAX_KEY_CHARS for k in keys)
+        or len(set(keys)) != len(keys)):
       raise Refused(f"{kind}: keys are not one distinct name per blob")
     token = header.get("token")
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
@@ -225,6 +229,55 @@ def check_header(header: dict, sender: int, num_workers: int) -> None:
       raise Refused(f"{kind}: no manifest")
     if len(sizes) != 1:
       raise Refused(f"{kind}: {len(sizes)} blobs, a copy is one slot's bytes")
+
+
+class StepBound:
+  """How far ahead a peer's report (PER_WORKER, DONE) may be of the steps this worker knows of the job.
+
+  A few generations (a busy writer skips saves) past the newest of this
+  worker's own reports and that sender's, never fewer than AHEAD_MIN_STEPS:
+  a state at step 10^9 or a DONE at 2^53-1 would never be pruned, or make
+  every newer step dead.
+
+  Args:
+    own_step: `fn()` -> the newest step this worker holds, or None: the
+      bound before this worker has reported a step itself.
+  """
+
+  def __init__(self, own_step=None):
+    self._own_step = own_step
+    self._lock = threading.Lock()
+    self._known = {}  # worker -> the newest step of its reports
+    self._sent = []  # The last two steps this worker reported itself.
+
+  def sent(self, step: int) -> None:
+    """This worker reports `step` itself."""
+    with self._lock:
+      if not self._sent or step > self._sent[-1]:
+        self._sent = (self._sent + [step])[-2:]
+
+  def known(self, sender: int, step: int) -> None:
+    """Worker `sender`'s report of `step` was accepted."""
+    with self._lock:
+      self._known[sender] = max(step, self._known.get(sender, step))
+
+  def check(self, kind: str, sender: int, step: int) -> None:
+    """Refuses a report of `step` far ahead of the newest this worker knows of the job.
+
+    Raises:
+      Refused: naming the step.
+    """
+    with self._lock:
+      known = [s for s in (self._known.get(sender), self._sent[-1] if self._sent else None)
+               if s is not None]
+      gap = self._sent[1] - self._sent[0] if len(self._sent) == 2 else 1
+    if not known and self._own_step is not None and self._own_step() is not None:
+      known = [self._own_step()]
+    if not known:
+      return  # The first report of a job: nothing to bound it by yet.
+    if step > max(known) + max(AHEAD_GENERATIONS * gap, AHEAD_MIN_STEPS):
+      raise Refused(f"a {kind} of step {step}, far ahead of step {max(known)}, the newest this "
+                    "worker knows of the job", "step")
 
 
 # -- tensors --
@@ -242,11 +295,38 @@ def tensors_from_wire(description: dict, blobs) -> dict:
     ValueError: a blob that is not a serialized tensor.
   """
   out = {}
-  for key, blob in zip(description["keys"], blobs):
-    proto = tensor_pb2.TensorProto()
+  for key, blob, dtype in zip(description["keys"], blobs, check_dtypes(description["keys"], blobs)):
     try:
-      proto.ParseFromString(bytes(blob))
-      out[key] = tf.io.parse_tensor(bytes(blob), tf.dtypes.as_dtype(proto.dtype))
+      out[key] = tf.io.parse_tensor(bytes(blob), tf.dtypes.as_dtype(dtype))
     except Exception as e:  # pylint: disable=broad-except
       raise ValueError(f"per-worker tensor {key!r} does not parse: {e}") from e
   return out
+
+
+def check_dtypes(keys, blobs) -> list[int]:
+  """The dtype of each serialized tensor in `blobs`: a number, a bool or a string, never a variant or a resource.
+
+  Raises:
+    ValueError: a blob that is not a serialized tensor, or of another dtype.
+  """
+  dtypes = []
+  for key, blob in zip(keys, blobs):
+    proto = tensor_pb2.TensorProto()
+    try:
+      proto.ParseFromString(bytes(blob))
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f"per-worker tensor {key!r} does not parse: {e}") from e
+    if proto.dtype not in _WIRE_DTYPES:
+      name = (types_pb2.DataType.Name(proto.dtype) if proto.dtype in types_pb2.DataType.values()
+              else proto.dtype)
+      raise ValueError(f"per-worker tensor {key!r} has dtype {name}, not a number, a bool or "
+                       "a string")
+    dtypes.append(proto.dtype)
+  return dtypes
+
+
+# What a per-worker tensor from the wire may be: numbers, bools, strings.
+_WIRE_DTYPES = frozenset(
+    tf.as_dtype(d).as_datatype_enum for d in (
+        "bool", "string", "half", "bfloat16", "float32", "float64", "int8", "int16", "int32",
+        "int64", "uint8", "uint16", "uint32", "uint64", "complex64", "complex128"))

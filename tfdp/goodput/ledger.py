@@ -38,10 +38,16 @@ def read_json(path: Optional[str]) -> Any:
     return None
 
 
+def _open_private(path: str, flags: int) -> int:
+  """A ledger file: 0600, never through a symlink (tfdp.checkpoint.private's rule; the launcher loads no TF)."""
+  return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
   """Writes `obj` as JSON to `path`: a reader sees all of it or the old file (temp, rename)."""
   tmp = layout.atomic_tmp_path(path)
-  with open(tmp, "w", encoding="utf-8") as f:
+  with os.fdopen(_open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w",
+                 encoding="utf-8") as f:
     json.dump(obj, f, indent=1, sort_keys=True)
   os.replace(tmp, path)
 
@@ -91,7 +97,7 @@ class Progress:
     self.path = path
     header = struct.pack(_FORMAT, _MAGIC, -1, 0.0, float(start), os.getpid(),
                          process_start_time() or 0.0, int(worker), host_id())
-    with open(path, "w+b") as f:
+    with os.fdopen(_open_private(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC), "w+b") as f:
       f.write(header)
       f.flush()
       self._map = mmap.mmap(f.fileno(), _SIZE)
@@ -150,7 +156,7 @@ class Ledger:
 
   def __init__(self, folder: str):
     self.folder = folder
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(folder, 0o700, exist_ok=True)
 
   @classmethod
   def of(cls, directory: Optional[str], fallback: Optional[str] = None) -> Optional["Ledger"]:
