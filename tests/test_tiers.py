@@ -439,7 +439,7 @@ def test_local_tier_arguments_are_checked(tmp_path):
   local = tfdp.CheckpointManager(ckpt, str(tmp_path / "d"), local_checkpoint_every_steps=5)
   with pytest.raises(errors.ConfigError, match="needs step= or the manager's step_counter"):
     local.save_local()
-  assert local.local_directory.startswith(layout_lib.DEFAULT_LOCAL_ROOT)
+  assert local.local_directory.startswith(layout_lib.user_local_root() + "/")
   local.drop_local()
 
 

@@ -104,8 +104,8 @@ flags.DEFINE_float("checkpoint_overhead", 0.02,
                    "their writer's CPU).", lower_bound=0.0001, upper_bound=0.9)
 flags.DEFINE_string("local_checkpoint_dir", None,
                     "The local tier's per-host directory (default with "
-                    "--local_checkpoint_every_steps: /dev/shm/tfdp-local/<hash "
-                    "of --model_dir>).")
+                    "--local_checkpoint_every_steps: $XDG_RUNTIME_DIR/tfdp/<hash of "
+                    "--model_dir>, or /dev/shm/tfdp-<uid>/<hash>; private to the user).")
 flags.DEFINE_integer("max_to_keep", 5, "Checkpoints to keep.", lower_bound=1)
 flags.DEFINE_integer("max_shard_bytes", None,
                      "Cap on each checkpoint data file a worker writes.",
