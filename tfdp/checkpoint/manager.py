@@ -262,17 +262,26 @@ class CheckpointManager(local_face.LocalFace):
       self.save_local(step)
     return prefix
 
-  def restore(self, save_path: str | None = None):
+  def restore(self, save_path: str | None = None, *, allow_partial_restore: bool = False,
+              require_all: bool = False):
     """Verifies and restores checkpoint `save_path` (default: the latest).
 
+    Args:
+      save_path: the checkpoint's prefix.
+      allow_partial_restore, require_all: as `restore_newest_intact`'s.
+
     Returns:
-      The load status of `tf.train.Checkpoint.restore`.
+      The load status of `tf.train.Checkpoint.restore` (None after a
+      partial restore).
 
     Raises:
       CorruptCheckpointError: a file is missing, truncated or corrupt (the
         checkpoint is then set aside).
+      IncompatibleCheckpointError: a checkpoint of another model (nothing
+        is assigned).
     """
     self._wait()
+    self._restorer.allow_partial, self._restorer.require_all = allow_partial_restore, require_all
     save_path = save_path or self.latest_checkpoint
     if save_path is None:
       raise errors.CheckpointError(
@@ -281,7 +290,8 @@ class CheckpointManager(local_face.LocalFace):
     self._restored(save_path, man, "persistent")
     return status
 
-  def restore_newest_intact(self, before_restore=None) -> str | None:
+  def restore_newest_intact(self, before_restore=None, *, allow_partial_restore: bool = False,
+                            require_all: bool = False) -> str | None:
     """Restores the newest intact checkpoint; returns its prefix, or None.
 
     Every worker must call it, and all restore the same step. With a local
@@ -293,16 +303,32 @@ class CheckpointManager(local_face.LocalFace):
     a warning naming the file). Local copies newer than what was restored
     are then deleted on every worker.
 
+    A checkpoint of another model (a tensor of the checkpoint's objects it
+    lacks, or holds with another dtype or shape) is refused before anything
+    is assigned, on every worker, unless `allow_partial_restore` (as
+    `tf.train.Checkpoint.restore(...).expect_partial()` and Keras's
+    `skip_mismatch`): then what matches is restored and the chief logs the
+    rest.
+
     Args:
       before_restore: optional `fn(prefix)` called before each restore, e.g.
         to refuse a checkpoint of another run; its exceptions propagate.
+      allow_partial_restore: restore what matches of a checkpoint of
+        another model, keeping the other objects' values.
+      require_all: a tensor the checkpoint holds that no object saves (a
+        removed layer) is a difference too. Leave it off when objects are
+        made after the restore (an optimizer's slots before its first
+        step), which TF restores as they are made.
 
     Raises:
       CheckpointError: nothing to restore, but the directory holds
         checkpoints neither TF's state file nor tfdp accounts for (rather
         than start over next to them).
+      IncompatibleCheckpointError: the newest checkpoint is of another
+        model (see above).
     """
     self._wait()
+    self._restorer.allow_partial, self._restorer.require_all = allow_partial_restore, require_all
     found = recovery.restore_newest(self._checkpoint, self._local, self._me, self._restorer,
                                     before_restore)
     self.restored_tier = found.tier if found else None
