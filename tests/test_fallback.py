@@ -154,3 +154,25 @@ def test_tfdp_ckpt_ls_says_a_checkpoint_was_set_aside(base, tmp_path):
   out = buf.getvalue()
   assert re.search(r"ckpt-2 .*set aside as corrupt \(ckpt-2\.manifest\.json\.corrupt\)", out), out
   assert re.search(r"ckpt-1 .*intact", out), out
+
+
+def test_a_transient_read_error_is_retried_before_the_checkpoint_is_given_up(base, tmp_path,
+                                                                            monkeypatch):
+  """An error that proves no damage (storage unavailable a moment) is read again, not condemned."""
+  from tfdp.checkpoint import restore as restore_lib  # pylint: disable=g-import-not-at-top
+  d, newest = _fresh(base, tmp_path)
+  real, calls = restore_lib.restore_verified, []
+
+  def flaky(checkpoint, prefix, man):
+    calls.append(prefix)
+    if len(calls) == 1:
+      raise tf.errors.UnavailableError(None, None, "the storage did not answer")
+    return real(checkpoint, prefix, man)
+
+  monkeypatch.setattr(restore_lib, "restore_verified", flaky)
+  monkeypatch.setattr(restore_lib, "READ_RETRIES", (0.0, 0.0))
+  ckpt = _state(0.0)
+  assert CheckpointManager(ckpt, d).restore_or_initialize() == newest
+  assert calls == [newest, newest]
+  assert np.all(ckpt.v.numpy() == 2.0)
+  assert os.path.exists(newest + MANIFEST)
