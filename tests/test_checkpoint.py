@@ -386,7 +386,7 @@ def test_retention_keep_last_hours_best(tmp_path):
 def test_cli_ls_inspect_export(runs, tmp_path):
   d = os.path.join(runs["root"], "a")
   code, out = _cli("ls", d, "--checksums")
-  assert code == 0 and "ckpt-1" in out and "intact" in out
+  assert code == 0 and "ckpt-1" in out and "verified (every byte)" in out
   code, out = _cli("inspect", d + "/ckpt-1")
   assert code == 0
   assert re.search(r"^model/w0 +\[512, 512\] +float32 +1\.0 MB$", out, re.M), out
