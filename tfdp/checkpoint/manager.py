@@ -221,16 +221,24 @@ class CheckpointManager(local_face.LocalFace):
 
     Returns:
       The prefix, or None when skipped by the interval. In async mode the
-      checkpoint is committed later (see sync()).
+      checkpoint is committed later (see sync()). A `checkpoint_number` of
+      the newest checkpoint, saved at this step (a custom loop's every-N
+      save landing on its epoch's end), is not saved again: its prefix is
+      returned (with a debug line).
 
     Raises:
       CheckpointError: the save (or the previous async one) failed, or a
-        checkpoint with this number or a higher one is already committed.
+        checkpoint with this number (of another step) or a higher one is
+        already committed.
     """
     self._wait()
     step, persistent, local = self._decide(check_interval)
     if not persistent:
       return self._then_local(local, step, None)
+    saved = self._saved_already(checkpoint_number, step)
+    if saved is not None:
+      logging.debug("tfdp: %s already holds step %s; not saved again.", saved, step)
+      return self._then_local(local, step, saved)
     number, prefix = self._next_number(checkpoint_number)
     meta = self._meta(number, number if step is None else step, metrics)
     sweep = self._catalog.plan(prefix, number, meta.metrics, self._keep, self._hours)
@@ -408,6 +416,21 @@ class CheckpointManager(local_face.LocalFace):
     persistent = decision.should_save(policy.SaveContext(
         step=step, last_saved_step=self._last_checkpoint_step))
     return step, persistent, local
+
+  def _saved_already(self, checkpoint_number, step):
+    """The prefix of the newest checkpoint when `checkpoint_number` is its number and it holds this step; else None.
+
+    The step is the step counter's, or without one the step this manager
+    last saved or restored: the same state, not a checkpoint another run
+    left at that number.
+    """
+    if checkpoint_number is None:
+      return None
+    prefix = self._layout.prefix(_number(checkpoint_number))
+    man = self._catalog.manifest(prefix) if prefix == self._catalog.newest() else None
+    if man is None:
+      return None
+    return prefix if man.step == (self._last_saved_step if step is None else step) else None
 
   def _next_number(self, checkpoint_number):
     """The number and prefix of the next checkpoint; increments save_counter once they are valid."""
