@@ -68,8 +68,8 @@ def test_ls_of_a_tfdp_directory(dirs):
   assert (code, err) == (0, ""), err
   assert out.splitlines()[0].split() == ["CHECKPOINT", "STEP", "SIZE", "SHARDS", "WORLD", "STATUS"]
   [row] = _rows(out)
-  assert row[:2] == ["ckpt-11", "11"] and row[3] == "KB" and row[4:] == [
-      "1", "1", "intact", "(latest)"], out
+  assert row[:2] == ["ckpt-11", "11"] and row[3] == "KB" and row[4:7] == ["1", "1", "sizes"], out
+  assert out.splitlines()[1].endswith("sizes ok (bytes not read: --verify) (latest)"), out
 
 
 def test_ls_of_tf_checkpoints_a_torn_save_and_a_damaged_one(dirs, tmp_path):
@@ -95,15 +95,21 @@ def test_ls_of_tf_checkpoints_a_torn_save_and_a_damaged_one(dirs, tmp_path):
                    r"save\)$", out, re.M), out
 
 
-def test_ls_with_checksums_reads_the_bytes(dirs, tmp_path):
+def test_ls_says_what_it_checked_and_verify_reads_the_bytes(dirs, tmp_path):
+  """A flipped byte: `ls` says only that the sizes are right, never "intact"; --verify and `verify` find it."""
+  assert "verified (every byte) (latest)" in _cli("ls", dirs["backup"], "--verify")[1]
   d = _copy(dirs, tmp_path / "flipped")
   data = d / "ckpt-11.data-00000-of-00001"
   raw = bytearray(data.read_bytes())
   raw[200] ^= 0xFF
   data.write_bytes(bytes(raw))
-  assert "intact" in _cli("ls", d)[1]  # same sizes
-  code, out, _ = _cli("ls", d, "--checksums")
-  assert code == 0 and "CORRUPT" in out and "CRC32C" in out, out
+  out = _cli("ls", d)[1]
+  assert "sizes ok (bytes not read: --verify)" in out and "intact" not in out, out  # same sizes
+  for flag in ("--verify", "--checksums"):
+    code, out, _ = _cli("ls", d, flag)
+    assert code == 0 and "CORRUPT" in out and "CRC32C" in out, out
+  code, out, _ = _cli("verify", str(d / "ckpt-11"))
+  assert code == 1 and "BAD" in out, out
 
 
 def test_inspect_summarizes_then_lists_the_users_variables(dirs):

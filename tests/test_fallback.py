@@ -74,7 +74,7 @@ def test_broken_newest_is_set_aside_and_the_older_one_used(base, tmp_path, kind,
   with caplog.at_level(logging.WARNING):
     assert mgr.restore_or_initialize() == os.path.join(d, "ckpt-1")
   assert np.all(ckpt.v.numpy() == 1.0)
-  assert "Skipping a corrupt checkpoint" in caplog.text and newest + bad_file in caplog.text
+  assert "(set aside: " in caplog.text and newest + bad_file in caplog.text
   assert os.path.exists(newest + MANIFEST + ".corrupt")
   assert mgr.checkpoints == [os.path.join(d, "ckpt-1")]
   assert tf.train.latest_checkpoint(d) == os.path.join(d, "ckpt-1")
@@ -106,18 +106,30 @@ class _Run:
   check_compatible = state_lib.TrainState.check_compatible
 
 
-@pytest.mark.parametrize("kind", ["missing manifest", "corrupt manifest"])
-def test_a_newest_without_a_readable_manifest_is_restored_as_tfs_own(base, tmp_path, kind):
+def test_a_newest_without_a_manifest_is_restored_as_tfs_own(base, tmp_path):
   """Its bytes are intact: TF's state file lists it and TF's CRC32C checks every tensor."""
   d, newest = _fresh(base, tmp_path)
-  if kind == "missing manifest":
-    os.remove(newest + MANIFEST)
-  else:
-    with open(newest + MANIFEST, "w") as f:
-      f.write('{"prefix": "ckpt-2", "fil')
+  os.remove(newest + MANIFEST)
   ckpt = _state(0.0)
   assert CheckpointManager(ckpt, d).restore_or_initialize() == newest
   assert np.all(ckpt.v.numpy() == 2.0)
+
+
+@pytest.mark.parametrize("kind", ["torn manifest", "flipped byte"])
+def test_a_newest_whose_manifest_does_not_parse_is_set_aside(base, tmp_path, kind, caplog):
+  """Only tfdp writes a manifest, atomically: one that does not parse is damaged, and so is its commit."""
+  d, newest = _fresh(base, tmp_path)
+  if kind == "torn manifest":
+    with open(newest + MANIFEST, "w") as f:
+      f.write('{"prefix": "ckpt-2", "fil')
+  else:
+    _flip(newest + MANIFEST, os.path.getsize(newest + MANIFEST) // 2)
+  ckpt = _state(0.0)
+  with caplog.at_level(logging.WARNING):
+    assert CheckpointManager(ckpt, d).restore_or_initialize() == os.path.join(d, "ckpt-1")
+  assert np.all(ckpt.v.numpy() == 1.0)
+  assert "not a readable manifest" in caplog.text
+  assert os.path.exists(newest + MANIFEST + ".corrupt")
 
 
 def test_every_checkpoint_broken_initializes(base, tmp_path):
@@ -141,4 +153,26 @@ def test_tfdp_ckpt_ls_says_a_checkpoint_was_set_aside(base, tmp_path):
   assert ckpt.main(["ls", d], out=buf) == 0, buf.getvalue()
   out = buf.getvalue()
   assert re.search(r"ckpt-2 .*set aside as corrupt \(ckpt-2\.manifest\.json\.corrupt\)", out), out
-  assert re.search(r"ckpt-1 .*intact", out), out
+  assert re.search(r"ckpt-1 .*sizes ok", out), out
+
+
+def test_a_transient_read_error_is_retried_before_the_checkpoint_is_given_up(base, tmp_path,
+                                                                            monkeypatch):
+  """An error that proves no damage (storage unavailable a moment) is read again, not condemned."""
+  from tfdp.checkpoint import restore as restore_lib  # pylint: disable=g-import-not-at-top
+  d, newest = _fresh(base, tmp_path)
+  real, calls = restore_lib.restore_verified, []
+
+  def flaky(checkpoint, prefix, man):
+    calls.append(prefix)
+    if len(calls) == 1:
+      raise tf.errors.UnavailableError(None, None, "the storage did not answer")
+    return real(checkpoint, prefix, man)
+
+  monkeypatch.setattr(restore_lib, "restore_verified", flaky)
+  monkeypatch.setattr(restore_lib, "READ_RETRIES", (0.0, 0.0))
+  ckpt = _state(0.0)
+  assert CheckpointManager(ckpt, d).restore_or_initialize() == newest
+  assert calls == [newest, newest]
+  assert np.all(ckpt.v.numpy() == 2.0)
+  assert os.path.exists(newest + MANIFEST)

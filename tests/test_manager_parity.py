@@ -246,3 +246,33 @@ def test_checkpoints_nothing_names_are_refused_not_silently_restarted_next_to(tm
   assert "\n" not in str(e.value)
   mgr.restore(str(tmp_path / "model-3"))  # What the message says to do works.
   assert fresh.v.numpy().tolist() == [7.0, 7.0, 7.0]
+
+
+def test_a_custom_loops_save_of_a_step_already_saved_returns_its_path(tmp_path, caplog):
+  """Every N steps plus at the epoch's end: the end's save of the step just saved is not an error.
+
+  TF's manager writes another numbered checkpoint; tfdp's numbers are steps,
+  so it returns the checkpoint that holds the step (a debug line says so).
+  """
+  import logging  # pylint: disable=g-import-not-at-top
+  step = tf.Variable(0, dtype=tf.int64)
+  v = tf.Variable(0.0)
+  ckpt = tf.train.Checkpoint(v=v, step=step)
+  mgr = CheckpointManager(ckpt, str(tmp_path), step_counter=step)
+  saved = []
+  with caplog.at_level(logging.DEBUG, logger="absl"):
+    for _ in range(2):  # 2 epochs of 4 steps, a save every 2 steps and at each epoch's end.
+      for _ in range(4):
+        step.assign_add(1)
+        v.assign_add(1.0)
+        if int(step) % 2 == 0:
+          saved.append(mgr.save(checkpoint_number=int(step)))
+      saved.append(mgr.save(checkpoint_number=int(step)))
+  assert [os.path.basename(p) for p in saved] == [
+      "ckpt-2", "ckpt-4", "ckpt-4", "ckpt-6", "ckpt-8", "ckpt-8"]
+  assert "already holds step 4; not saved again" in caplog.text
+  assert int(ckpt.save_counter) == 4  # Only the saves that wrote.
+  # Another state at that number is still refused (its step differs).
+  step.assign_add(1)
+  with pytest.raises(errors.CheckpointError, match="already exists"):
+    mgr.save(checkpoint_number=8)

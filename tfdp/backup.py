@@ -98,6 +98,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       deleted when training completes.
     checkpoint_overhead: with "auto", the share of the training time the
       local saves may cost.
+    allow_partial_restore: resume from a backup of another model (a layer
+      added or removed, a width changed) by restoring what matches, as
+      `tf.train.Checkpoint.restore(...).expect_partial()` and Keras's
+      `skip_mismatch` do; the chief logs what was not restored. Otherwise
+      such a backup is refused before any variable is assigned, with a
+      `tfdp.errors.IncompatibleCheckpointError` naming it and the first
+      differences.
 
   Raises:
     ValueError (a `tfdp.errors.ConfigError`): an empty backup_dir or an
@@ -126,7 +133,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                keep_best=None, restart_epoch_data: bool = False,
                local_checkpoint_dir: str | None = None,
                local_checkpoint_every_steps: int | str | None = None,
-               checkpoint_overhead: float = local_lib.DEFAULT_OVERHEAD):
+               checkpoint_overhead: float = local_lib.DEFAULT_OVERHEAD,
+               allow_partial_restore: bool = False):
     super().__init__()
     if not backup_dir:
       raise errors.ConfigError("Empty `backup_dir` argument passed to BackupAndRestore.")
@@ -146,6 +154,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.local_checkpoint_dir = local_checkpoint_dir
     self.local_checkpoint_every_steps = local_checkpoint_every_steps
     self.checkpoint_overhead = checkpoint_overhead
+    self.allow_partial_restore = allow_partial_restore
     self._cadence = policy.Cadence(
         *(() if save_freq is False else (policy.from_save_freq(save_freq),)),
         policy.OnPreemption(), *((policy.AtTrainEnd(),) if save_at_end else ()))
@@ -204,8 +213,10 @@ class BackupAndRestore(keras.callbacks.Callback):
   def restore(self, model: keras.Model | None = None, *, announce: bool = True) -> resume_lib.Resume:
     """Restores the newest intact backup into the model; returns where training goes on.
 
-    Every worker must call it. A corrupt backup is set aside (with a
-    warning) and the previous one, if any, is used. `model.fit` calls it at
+    Every worker must call it. A corrupt backup is set aside and the
+    previous one, if any, is used (then a fresh start), with one line of the
+    chief saying so. A backup of another model is refused (see
+    `allow_partial_restore`). `model.fit` calls it at
     its start; `tfdp.fit` calls it once, before it makes the dataset.
 
     Args:
@@ -227,8 +238,12 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     start = time.perf_counter()
     with model.distribute_strategy.scope():
-      prefix = self.manager.restore_newest_intact(before_restore=check)
+      prefix = self.manager.restore_newest_intact(
+          before_restore=check, allow_partial_restore=self.allow_partial_restore,
+          require_all=True)
     seconds = time.perf_counter() - start
+    if prefix is None:  # A fresh start: nothing a failed attempt read of a backup stays.
+      self.position.reset()
     self.resumed = self.position.read(prefix, self.state.step, self.manager.restored_tier)
     self._metrics_continued = False
     self._read_run_state(prefix)

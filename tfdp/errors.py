@@ -18,7 +18,7 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class IncompatibleCheckpointError(CheckpointError):
-  """A checkpoint was written by a run whose config does not match this one."""
+  """A checkpoint was written by a run whose config, or model, does not match this one."""
 
 
 class WorkerFailedError(TfdpError, RuntimeError):

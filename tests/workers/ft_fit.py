@@ -17,7 +17,8 @@ Usage: ft_fit.py OUT_ROOT (under tfdp-launch --max_restarts). Env:
   workers add the same tiny number, different in each attempt, to a
   weight: a step computed twice gives other bits, as GPU kernels do.
 A kill waits (at most 20 s) until the local save before the worker's
-newest is complete on every worker. Prints "ft_fit: ..." lines: each kill
+newest is complete on every worker, unless FT_KILL_AT_ONCE=1 (the issue's
+replaced host: no wait, nothing synced). Prints "ft_fit: ..." lines: each kill
 with the worker's newest local save and the newest step complete everywhere,
 the attack's report, each attempt's restored step.
 """
@@ -98,12 +99,14 @@ def _wrap_batch_end():
       self.manager.sync()
       _check_tier(self, step)
     if EVENT.get("worker") == ME and step >= EVENT.get("step", 1 << 60):
-      self.manager.sync()  # What this worker saved locally is written.
+      at_once = os.environ.get("FT_KILL_AT_ONCE") == "1"
+      if not at_once:
+        self.manager.sync()  # What this worker saved locally is written.
       saved = [int(p.rsplit("-", 1)[1]) for p in self.manager.local_checkpoints()]
       # The kill comes once the save before the last is complete everywhere
       # (what the tier then must keep), or 20 s on.
       tier, every = self.manager._local, self.manager.local_interval  # pylint: disable=protected-access
-      deadline = time.monotonic() + 20
+      deadline = time.monotonic() + (0 if at_once else 20)
       while saved and (tier.generations.floor or -1) < max(saved) - every and (
           time.monotonic() < deadline):
         time.sleep(0.01)

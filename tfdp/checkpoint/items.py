@@ -132,7 +132,7 @@ class CachedGather:
       self._fn = self._keys = None
 
 
-def restore_values(checkpoint: tf.train.Checkpoint, values: dict) -> bool:
+def restore_values(checkpoint: tf.train.Checkpoint, values: dict, partial: bool = False) -> bool:
   """Assigns `values` ({key: array}) to `checkpoint`'s objects, as TF's restore would, if they match exactly.
 
   Each object gets its tensors through its own `_restore_from_tensors`
@@ -141,6 +141,11 @@ def restore_values(checkpoint: tf.train.Checkpoint, values: dict) -> bool:
   and False returned, when `values` holds a key no object of `checkpoint`
   saves now, an object has some of its keys and not all, or a dtype or
   shape differs (TF's restore then defers or reports it).
+
+  With `partial`, an object whose tensors are not all in `values` with
+  their dtype and shape keeps its values instead (and so does every Python
+  state, e.g. the model's config: this run's stays), keys no object saves
+  are left, and True is returned.
   """
   start = time.perf_counter()
   serialized, _, registered, _ = checkpoint._saver._gather_serialized_tensors(None)  # pylint: disable=protected-access
@@ -149,27 +154,36 @@ def restore_values(checkpoint: tf.train.Checkpoint, values: dict) -> bool:
   plan, seen = [], set()
   for trackable, tensor_dict in serialized.items():
     present = [k for k in tensor_dict if k in values]
-    if trackable is None or not present:
+    if trackable is None or not present or (
+        partial and isinstance(trackable, python_state.PythonState)):
       continue  # An object the copy does not hold keeps its values, as TF's restore leaves it.
     if len(present) != len(tensor_dict) or not (
         isinstance(trackable, python_state.PythonState) or type(trackable)._restore_from_tensors  # pylint: disable=protected-access
         is not trackable_base.Trackable._restore_from_tensors):  # pylint: disable=protected-access
+      if partial:
+        continue
       return False
     names = {}
     for key, value in tensor_dict.items():
       if isinstance(value, dict):
-        return False  # Sliced.
+        names = None  # Sliced.
+        break
       if isinstance(value, saveable_object.SaveSpec):
         value = value.tensor
       value = value() if callable(value) and not isinstance(value, tf.Tensor) else value
       got = np.asarray(values[key])
       kind = tf.string if got.dtype.kind in "OS" else tf.as_dtype(got.dtype)
       if value is None or tf.as_dtype(value.dtype) != kind or list(value.shape) != list(got.shape):
-        return False
+        names = None
+        break
       names[trackable_utils.extract_local_name(key)] = key
+    if names is None:
+      if partial:
+        continue
+      return False
     plan.append((trackable, names))
     seen.update(tensor_dict)
-  if set(values) - seen - {OBJECT_GRAPH_KEY}:
+  if not partial and set(values) - seen - {OBJECT_GRAPH_KEY}:
     return False
   restore_phases.add("plan", time.perf_counter() - start)
   for trackable, names in plan:

@@ -109,7 +109,7 @@ class LocalTier:
     self._timeout = timeout
     self._session = ""
     self._writer = async_writer.AsyncWriter()
-    self._writing = False  # A save is being written; the next waits in `_pending`.
+    self._writing = False  # A save is being written; with one worker the next waits in `_pending`.
     self._pending = None
     self._keep = None  # The step a restore falls back to if a transfer fails (`receiving`).
     self.link = None  # The side channel to the other workers (tfdp.checkpoint.peers).
@@ -174,15 +174,21 @@ class LocalTier:
   def save(self, step: int, take, meta) -> str:
     """Saves local copy `step` of the Items `take()` returns, written in the background.
 
-    Blocks only for `take()`: a snapshot (reads that alias the variables'
+    Blocks for `take()`: a snapshot (reads that alias the variables'
     buffers; TF copies a buffer before the next update writes it) and the
     variant of an iterator's position. The writer thread writes and commits
     the copy (tfdp.checkpoint.copies), sends the per-worker state to the
     neighbour, reports the step done, and lets go what `generations` says.
-    A save while the previous one is being written waits for it, in place
-    of any save waiting already (counted in `skipped`): the newest save due
-    is always written, on every worker, so the workers' copies meet at it.
-    A copy of the same step already held (an earlier attempt's) is replaced.
+    With several workers, a save while the previous one is being written
+    waits for it (the caller is blocked; counted in the cadence's blocked
+    time, so "auto" saves less often): every worker writes every save due,
+    so each step is complete everywhere one save after it was due, and a
+    replaced host recovers at most one interval behind the last save.
+    Skipping saves instead would let each worker skip others (its writer's
+    own timing), and the steps complete everywhere would be rare. With one
+    worker, it waits in place of any save waiting already (counted in
+    `skipped`): the newest save due is written. A copy of the same step
+    already held (an earlier attempt's) is replaced.
 
     Args:
       step: the global step.
@@ -196,6 +202,8 @@ class LocalTier:
     prefix = self.layout.prefix(step)
     items = items_lib.snapshot(take(), self._mirrors)
     job = (step, prefix, items, meta())  # meta after take(): what it took decides some fields.
+    if self.num_workers > 1 and self.busy():
+      self.wait()  # Keeping up (see above): a failed save before this one is logged here.
     self.cadence.note_blocked(time.perf_counter() - start)
     with self._lock:
       if self._writing:

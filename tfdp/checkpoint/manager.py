@@ -221,16 +221,24 @@ class CheckpointManager(local_face.LocalFace):
 
     Returns:
       The prefix, or None when skipped by the interval. In async mode the
-      checkpoint is committed later (see sync()).
+      checkpoint is committed later (see sync()). A `checkpoint_number` of
+      the newest checkpoint, saved at this step (a custom loop's every-N
+      save landing on its epoch's end), is not saved again: its prefix is
+      returned (with a debug line).
 
     Raises:
       CheckpointError: the save (or the previous async one) failed, or a
-        checkpoint with this number or a higher one is already committed.
+        checkpoint with this number (of another step) or a higher one is
+        already committed.
     """
     self._wait()
     step, persistent, local = self._decide(check_interval)
     if not persistent:
       return self._then_local(local, step, None)
+    saved = self._saved_already(checkpoint_number, step)
+    if saved is not None:
+      logging.debug("tfdp: %s already holds step %s; not saved again.", saved, step)
+      return self._then_local(local, step, saved)
     number, prefix = self._next_number(checkpoint_number)
     meta = self._meta(number, number if step is None else step, metrics)
     sweep = self._catalog.plan(prefix, number, meta.metrics, self._keep, self._hours)
@@ -262,17 +270,26 @@ class CheckpointManager(local_face.LocalFace):
       self.save_local(step)
     return prefix
 
-  def restore(self, save_path: str | None = None):
+  def restore(self, save_path: str | None = None, *, allow_partial_restore: bool = False,
+              require_all: bool = False):
     """Verifies and restores checkpoint `save_path` (default: the latest).
 
+    Args:
+      save_path: the checkpoint's prefix.
+      allow_partial_restore, require_all: as `restore_newest_intact`'s.
+
     Returns:
-      The load status of `tf.train.Checkpoint.restore`.
+      The load status of `tf.train.Checkpoint.restore` (None after a
+      partial restore).
 
     Raises:
       CorruptCheckpointError: a file is missing, truncated or corrupt (the
         checkpoint is then set aside).
+      IncompatibleCheckpointError: a checkpoint of another model (nothing
+        is assigned).
     """
     self._wait()
+    self._restorer.allow_partial, self._restorer.require_all = allow_partial_restore, require_all
     save_path = save_path or self.latest_checkpoint
     if save_path is None:
       raise errors.CheckpointError(
@@ -281,7 +298,8 @@ class CheckpointManager(local_face.LocalFace):
     self._restored(save_path, man, "persistent")
     return status
 
-  def restore_newest_intact(self, before_restore=None) -> str | None:
+  def restore_newest_intact(self, before_restore=None, *, allow_partial_restore: bool = False,
+                            require_all: bool = False) -> str | None:
     """Restores the newest intact checkpoint; returns its prefix, or None.
 
     Every worker must call it, and all restore the same step. With a local
@@ -293,16 +311,32 @@ class CheckpointManager(local_face.LocalFace):
     a warning naming the file). Local copies newer than what was restored
     are then deleted on every worker.
 
+    A checkpoint of another model (a tensor of the checkpoint's objects it
+    lacks, or holds with another dtype or shape) is refused before anything
+    is assigned, on every worker, unless `allow_partial_restore` (as
+    `tf.train.Checkpoint.restore(...).expect_partial()` and Keras's
+    `skip_mismatch`): then what matches is restored and the chief logs the
+    rest.
+
     Args:
       before_restore: optional `fn(prefix)` called before each restore, e.g.
         to refuse a checkpoint of another run; its exceptions propagate.
+      allow_partial_restore: restore what matches of a checkpoint of
+        another model, keeping the other objects' values.
+      require_all: a tensor the checkpoint holds that no object saves (a
+        removed layer) is a difference too. Leave it off when objects are
+        made after the restore (an optimizer's slots before its first
+        step), which TF restores as they are made.
 
     Raises:
       CheckpointError: nothing to restore, but the directory holds
         checkpoints neither TF's state file nor tfdp accounts for (rather
         than start over next to them).
+      IncompatibleCheckpointError: the newest checkpoint is of another
+        model (see above).
     """
     self._wait()
+    self._restorer.allow_partial, self._restorer.require_all = allow_partial_restore, require_all
     found = recovery.restore_newest(self._checkpoint, self._local, self._me, self._restorer,
                                     before_restore)
     self.restored_tier = found.tier if found else None
@@ -382,6 +416,21 @@ class CheckpointManager(local_face.LocalFace):
     persistent = decision.should_save(policy.SaveContext(
         step=step, last_saved_step=self._last_checkpoint_step))
     return step, persistent, local
+
+  def _saved_already(self, checkpoint_number, step):
+    """The prefix of the newest checkpoint when `checkpoint_number` is its number and it holds this step; else None.
+
+    The step is the step counter's, or without one the step this manager
+    last saved or restored: the same state, not a checkpoint another run
+    left at that number.
+    """
+    if checkpoint_number is None:
+      return None
+    prefix = self._layout.prefix(_number(checkpoint_number))
+    man = self._catalog.manifest(prefix) if prefix == self._catalog.newest() else None
+    if man is None:
+      return None
+    return prefix if man.step == (self._last_saved_step if step is None else step) else None
 
   def _next_number(self, checkpoint_number):
     """The number and prefix of the next checkpoint; increments save_counter once they are valid."""

@@ -117,24 +117,29 @@ def restore_newest(checkpoint, tier: local_lib.LocalTier | None, me: cluster.Wor
 
   The local tiers first (`TieredRestore`), then the persistent checkpoints
   (`Restorer.newest_intact`). When anything failed on the way, the chief
-  logs one line: what was tried, and what was restored. A fresh start (None)
-  deletes the local copies, as a restore deletes those newer than it.
+  logs one line: what was tried (and set aside, and why), and what was
+  restored. A fresh start (None) after failed attempts starts from the
+  state before them (`Restorer.put_back`), and deletes the local copies, as
+  a restore deletes those newer than it.
   """
-  found, tried, applied = None, [], False
+  found, tried = None, []
   restorer.applied = False
   if tier is not None:
     tier.wait()
-    tiered = TieredRestore(checkpoint, tier, me, restorer.restore_per_worker)
+    tiered = TieredRestore(checkpoint, tier, me, restorer.restore_per_worker,
+                           restorer.before_apply, restorer.check_model)
     found = tiered.run(restorer.newest_step(), before_restore)
-    tried, applied = tiered.tried, tiered.applied
+    tried = tiered.tried
   found = found or restorer.newest_intact(before_restore, tried)
   if tried and me.is_chief:
     logging.warning("tfdp: restore: tried %s; restored %s.", ", then ".join(tried),
-                    f"{found.prefix} ({found.tier} tier)" if found else "nothing (a fresh start)")
+                    f"{found.prefix} ({found.tier} tier)" if found else
+                    "nothing: a fresh start from the initial state")
   if found is None and tried and cluster.agree(
-      1.0 if applied or restorer.applied else 0.0, "max", me.strategy):
-    # A failed attempt restored part of the state on some worker: starting
-    # over now would start the workers from different states.
+      0.0 if restorer.put_back() else 1.0, "max", me.strategy):
+    # A failed attempt restored part of the state on some worker, and its
+    # values before cannot be put back: starting over now would start the
+    # workers from different states.
     raise errors.CheckpointError(
         f"Nothing could be restored ({', then '.join(tried)}), and a failed attempt had "
         "already restored part of the state on a worker: not starting over with it. Run "
@@ -174,18 +179,24 @@ class TieredRestore:
     me: this worker (`tfdp.cluster.Worker`, with its strategy).
     restore_per_worker: `fn(prefix, manifest, reader)` restoring this worker's
       own per-worker state from a copy's tensors.
+    before_apply: called before a restore may change the state
+      (`Restorer.before_apply`).
+    check_model: `fn(prefix)` raising IncompatibleCheckpointError for a copy
+      of another model (`Restorer.check_model`), before anything is
+      assigned; else its `restore.ModelMatch` (None: TF's keys).
   """
 
   def __init__(self, checkpoint, tier: local_lib.LocalTier, me: cluster.Worker,
-               restore_per_worker):
+               restore_per_worker, before_apply=lambda: None, check_model=lambda prefix: None):
     self._checkpoint = checkpoint
     self._tier = tier
     self._me = me
     self._restore_per_worker = restore_per_worker
+    self._before_apply = before_apply
+    self._check_model = check_model
     self.tried = []  # What was tried and failed, for the one line the caller logs.
     self._received = None  # This worker's copy made of what a peer sent.
     self._refusal = None  # What before_restore raised on this worker.
-    self.applied = False  # A restore of a failed attempt changed this worker's state.
 
   def run(self, persistent_step: int | None, before_restore=None) -> restore_lib.Restored | None:
     """Restores from the local tiers; None: use the persistent tier (nothing was restored)."""
@@ -296,23 +307,30 @@ class TieredRestore:
     except (OSError, TypeError, ValueError) as e:
       logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)
       return FAILED
-    if before_restore is not None:
-      try:
-        with restore_phases.timed("before_restore"):
+    try:
+      with restore_phases.timed("before_restore"):
+        if before_restore is not None:
           before_restore(held.prefix)
-      except Exception as e:  # pylint: disable=broad-except
-        self._refusal = e
-        return REFUSED
+        match = self._check_model(held.prefix)
+    except Exception as e:  # pylint: disable=broad-except
+      self._refusal = e
+      return REFUSED
 
     def applying():
-      self.applied = True  # From here on the state may be changed, even if it fails.
+      self._before_apply()  # From here on the state may be changed, even if it fails.
 
     try:
-      tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying,
-                               received=received)
+      if match is None or match.exact:
+        tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying,
+                                 received=received)
+        reader = copies.per_worker_reader(tensors)
+      else:  # Through TF's reader of the copy (its index), under the checkpoint's keys.
+        applying()
+        restore_lib.restore_matched(self._checkpoint, held.prefix, held.manifest, match)
+        reader = None
       if per_worker:
         with restore_phases.timed("per_worker"):
-          self._restore_per_worker(held.prefix, held.manifest, copies.per_worker_reader(tensors))
+          self._restore_per_worker(held.prefix, held.manifest, reader)
       return OK
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)

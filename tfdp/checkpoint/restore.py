@@ -1,7 +1,11 @@
 """Restoring a checkpoint: sizes before any read, TF's per-tensor CRC32C on read, per-worker state, agreed."""
 
+import collections
+import contextlib
 import dataclasses
 import os
+import re
+import time
 
 from absl import logging
 import tensorflow as tf
@@ -10,6 +14,7 @@ from tensorflow.python.trackable import trackable_utils
 from tfdp import cluster
 from tfdp import errors
 from tfdp.checkpoint import catalog as catalog_lib
+from tfdp.checkpoint import items as items_lib
 from tfdp.checkpoint import layout as layout_lib
 from tfdp.checkpoint import manifest as manifest_lib
 from tfdp.checkpoint import storage
@@ -24,6 +29,11 @@ _UNREADABLE = (errors.CorruptCheckpointError, OSError, tf.errors.UnavailableErro
                tf.errors.DeadlineExceededError, tf.errors.AbortedError,
                tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
                tf.errors.UnknownError, tf.errors.InternalError)
+
+# Seconds to wait before each retry of a read that failed without proof of
+# damage (a transient I/O error) on this worker, before the checkpoint is
+# given up for this run.
+READ_RETRIES = (0.2, 1.0)
 
 # One worker's outcome of a restore in an agreement. CORRUPT: a file is
 # damaged (set aside); UNREADABLE: a read error (left as it is); REFUSED:
@@ -41,9 +51,24 @@ def check_sizes(prefix: str, man: manifest_lib.Manifest | None) -> None:
   """
   if man is not None:
     manifest_lib.verify(prefix, man, checksums=False)
-  elif not tf.io.gfile.exists(layout_lib.index_path(prefix)):
+    return
+  check_manifest(prefix, man)
+  if not tf.io.gfile.exists(layout_lib.index_path(prefix)):
     raise errors.CorruptCheckpointError(
         f"Checkpoint {prefix} is corrupt: {layout_lib.index_path(prefix)}: missing.")
+
+
+def check_manifest(prefix: str, man: manifest_lib.Manifest | None) -> None:
+  """Raises CorruptCheckpointError when `prefix` has a manifest file that does not parse (`man` None).
+
+  Only tfdp writes a manifest, atomically: one that is there and does not
+  parse is damaged, and so is the commit it records. A checkpoint with no
+  manifest at all is TF's own.
+  """
+  path = layout_lib.manifest_path(prefix)
+  if man is None and tf.io.gfile.exists(path):
+    raise errors.CorruptCheckpointError(
+        f"Checkpoint {prefix} is corrupt: {path}: not a readable manifest.")
 
 
 def restore_verified(checkpoint: tf.train.Checkpoint, prefix: str,
@@ -57,8 +82,23 @@ def restore_verified(checkpoint: tf.train.Checkpoint, prefix: str,
   Returns:
     The load status of `tf.train.Checkpoint.restore`.
   """
-  try:
+  with verified_read(prefix, man):
     return checkpoint.restore(prefix)
+
+
+@contextlib.contextmanager
+def verified_read(prefix: str, man: manifest_lib.Manifest | None):
+  """Any error of reading `prefix` inside the block is raised as CorruptCheckpointError when its files are damaged.
+
+  A read of the variables, of a per-worker state (the data position, the
+  callbacks' state) or of the index: whatever TF raised, the files are
+  checked against the manifest, and a problem found makes it corruption;
+  other errors (a transient I/O error, another model) propagate as they are.
+  """
+  try:
+    yield
+  except errors.CheckpointError:
+    raise
   except (tf.errors.OpError, IndexError, ValueError) as e:
     # A bad CRC32C is a DataLossError for a variable but a plain OpError for
     # the object graph (TF's py_checkpoint_reader), so any error gets the
@@ -70,6 +110,149 @@ def restore_verified(checkpoint: tf.train.Checkpoint, prefix: str,
         f"Checkpoint {prefix} is corrupt: "
         + ("; ".join(problems) + ". " if problems else "")
         + f"TensorFlow could not read it: {e}") from e
+
+
+# How many differences an IncompatibleCheckpointError names.
+SHOWN_DIFFERENCES = 3
+# Not every checkpoint has a save counter (tf.train.Checkpoint.write's has none).
+_OPTIONAL = ("save_counter/.ATTRIBUTES/VARIABLE_VALUE",)
+# The numbers Keras appends to automatic names (`dense_3`, `sequential_1`),
+# also inside an optimizer's slot names (`sequential_1_dense_3_kernel_momentum`).
+_AUTO_NUMBER = re.compile(r"_(\d+)(?=[_/]|$)")
+
+
+def _name(key: str) -> str:
+  """A tensor's key as the differences name it: its object's path."""
+  return key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
+
+
+def _signature(dtype, shape) -> str:
+  return f"{tf.as_dtype(dtype).name} {list(shape)}"
+
+
+def _renaming(mine, saved) -> dict:
+  """{key here: key in the checkpoint} for keys that differ only in Keras's automatic numbers, paired in order.
+
+  A model built again in the same process gets the next automatic names
+  (`sequential_1/dense_2` for `sequential/dense`): the keys of the same
+  layers, made in the same order, then differ only in those numbers, and
+  their order is the layers' (as Keras's own `load_weights` matches by
+  structure). Each group of keys equal but for the numbers is paired in
+  the numbers' order, when the group differs and both sides have as many.
+  """
+  groups = collections.defaultdict(lambda: ([], []))
+  for side, keys in ((0, mine), (1, saved)):
+    for key in keys:
+      numbers = tuple(int(n) for n in _AUTO_NUMBER.findall(key))
+      groups[_AUTO_NUMBER.sub("", key)][side].append((numbers, key))
+  out = {}
+  for here, there in groups.values():
+    if len(here) == len(there) and {k for _, k in here} != {k for _, k in there}:
+      out.update((a, b) for (_, a), (_, b) in zip(sorted(here), sorted(there)))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelMatch:
+  """How the tensors a checkpoint's objects save match those a checkpoint holds.
+
+  Attributes:
+    differences: what differs (a missing or extra tensor, another dtype or
+      shape), in words.
+    keys: {key here: key in the checkpoint} of those that match under
+      another key (see `_renaming`).
+  """
+  differences: tuple[str, ...] = ()
+  keys: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def exact(self) -> bool:
+    """Whether TF's own restore restores it whole."""
+    return not self.differences and not self.keys
+
+
+def match_model(checkpoint: tf.train.Checkpoint, prefix: str,
+                require_all: bool = False) -> ModelMatch:
+  """How the tensors `checkpoint` saves match those checkpoint `prefix` holds (reads its index only).
+
+  A tensor of `checkpoint` that `prefix` lacks, or holds with another dtype
+  or shape, is a difference; with `require_all`, so is one `prefix` holds
+  that no object of `checkpoint` saves (a removed layer; leave it off when
+  objects are made after the restore, which TF restores as they are made).
+  Per-worker state is not compared. No difference when `prefix`'s index
+  cannot be read (its restore says what is wrong with it).
+  """
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+    dtypes = reader.get_variable_to_dtype_map()
+    saved = {k: _signature(dtypes[k], s) for k, s in reader.get_variable_to_shape_map().items()
+             if k != items_lib.OBJECT_GRAPH_KEY
+             and not k.startswith(layout_lib.PER_WORKER_ROOT + "/")}
+  except (tf.errors.OpError, ValueError, IndexError):
+    return ModelMatch()
+  checkpoint.save_counter  # pylint: disable=pointless-statement  (made as a restore makes it)
+  mine = {it.key: _signature(it.value.dtype, it.value.shape)
+          for it in items_lib.gather(checkpoint, with_object_graph=False)}
+  keys = _renaming(mine, saved)
+  out = []
+  for key in sorted(mine):
+    there = keys.get(key, key)
+    if there not in saved and key not in _OPTIONAL:
+      out.append(f"{_name(key)} ({mine[key]}) is not in it")
+    elif there in saved and saved[there] != mine[key]:
+      out.append(f"{_name(key)} is {saved[there]} in it, {mine[key]} here")
+  if require_all:
+    used = {keys.get(k, k) for k in mine}
+    out += [f"{_name(key)} ({saved[key]}) is in it, not in this model" for key in sorted(saved)
+            if key not in used]
+  return ModelMatch(tuple(out), keys)
+
+
+def check_model(checkpoint: tf.train.Checkpoint, prefix: str, require_all: bool = False,
+                allow_partial: bool = False) -> ModelMatch:
+  """Refuses checkpoint `prefix` of another model before anything is assigned.
+
+  Returns:
+    The `match_model`; with differences only when `allow_partial` (what
+    matches is then restored, the rest keeps its values).
+
+  Raises:
+    IncompatibleCheckpointError: `prefix` differs and not `allow_partial`;
+      naming it and the first few differences.
+  """
+  match = match_model(checkpoint, prefix, require_all)
+  diffs = match.differences
+  if diffs and not allow_partial:
+    more = len(diffs) - SHOWN_DIFFERENCES
+    raise errors.IncompatibleCheckpointError(
+        f"The checkpoint {prefix} is of another model: "
+        + "; ".join(diffs[:SHOWN_DIFFERENCES]) + (f"; and {more} more" if more > 0 else "")
+        + ". Nothing was restored. Train into another directory, or pass "
+        "allow_partial_restore=True to restore what matches.")
+  return match
+
+
+def restore_matched(checkpoint: tf.train.Checkpoint, prefix: str,
+                    man: manifest_lib.Manifest | None, match: ModelMatch) -> None:
+  """Restores what `match` says matches of `prefix` (under its keys there); the other objects keep their values.
+
+  Every tensor is read (its CRC32C checked) before anything is assigned;
+  the object graph too, so that a damaged one is found as TF's restore finds it.
+  """
+  with verified_read(prefix, man):
+    reader = tf.train.load_checkpoint(prefix)
+    if reader.has_tensor(items_lib.OBJECT_GRAPH_KEY):
+      reader.get_tensor(items_lib.OBJECT_GRAPH_KEY)
+    values = {}
+    for it in items_lib.gather(checkpoint, with_object_graph=False):
+      there = match.keys.get(it.key, it.key)
+      if reader.has_tensor(there):
+        values[it.key] = reader.get_tensor(there)
+  if not items_lib.restore_values(checkpoint, values, partial=bool(match.differences)):
+    raise errors.CheckpointError(
+        f"{prefix}: its tensors match this checkpoint's objects only under other names, and "
+        "they cannot be assigned so (sliced variables); restore it with TensorFlow "
+        "(tf.train.Checkpoint.restore).")
 
 
 def load_per_worker(path: str) -> dict:
@@ -98,11 +281,20 @@ def restore_per_worker(per_worker_ckpt: tf.train.Checkpoint, prefix: str,
     worker: whose state.
     man: its manifest, or None.
     reader: what reads its tensors (`has_tensor`, `get_tensor`; default: TF's reader of `prefix`).
+
+  Raises:
+    CorruptCheckpointError: a tensor of it is damaged (nothing of the state
+      read so far is assigned).
   """
+  with verified_read(prefix, man):
+    _restore_per_worker(per_worker_ckpt, prefix, worker, man, reader)
+
+
+def _restore_per_worker(per_worker_ckpt, prefix, worker, man, reader):
   reader = reader or tf.train.load_checkpoint(prefix)
   root = layout_lib.per_worker_prefix(worker)
   serialized, _, _, _ = per_worker_ckpt._saver._gather_serialized_tensors(None)  # pylint: disable=protected-access
-  missing = []
+  missing, plan = [], []
   for trackable, tensor_dict in serialized.items():
     if trackable is None:
       continue
@@ -119,7 +311,10 @@ def restore_per_worker(per_worker_ckpt: tf.train.Checkpoint, prefix: str,
       restored[trackable_utils.extract_local_name(key)] = tf.constant(
           reader.get_tensor(root + key))
     if restored:
-      trackable._restore_from_tensors(restored)  # pylint: disable=protected-access
+      plan.append((trackable, restored))
+  # Every tensor is read (its CRC32C checked) before any object gets its own.
+  for trackable, restored in plan:
+    trackable._restore_from_tensors(restored)  # pylint: disable=protected-access
   if missing:
     world = man.world_size if man else "?"
     logging.warning(
@@ -161,6 +356,10 @@ class Restorer:
     self._verify = verify_sizes
     self._lease = lease
     self.applied = False  # A restore of newest_intact changed this worker's state.
+    # How a checkpoint of another model is met (`check_model`), set by the manager.
+    self.require_all = False
+    self.allow_partial = False
+    self._initial = None  # What the state was before the first restore that changed it.
 
   def candidates(self):
     """Yields (prefix, manifest) of the checkpoints, newest first (nothing checked yet)."""
@@ -190,13 +389,33 @@ class Restorer:
     """
     man = self._catalog.manifest(prefix)
     try:
+      check_manifest(prefix, man)
       if self._verify:
         check_sizes(prefix, man)
-      status = restore_verified(self._checkpoint, prefix, man)
+      status = self._restore_checked(prefix, man)
     except errors.CorruptCheckpointError as e:
       raise self.set_aside(prefix, e) from e
-    self.restore_per_worker(prefix, man)
     return status, man
+
+  def _restore_checked(self, prefix: str, man):
+    """Restores `prefix` and this worker's per-worker state, once it is known to be of this model (`check_model`)."""
+    match = self.check_model(prefix)
+    self.before_apply()
+    if match.exact:
+      status = restore_verified(self._checkpoint, prefix, man)
+    else:
+      restore_matched(self._checkpoint, prefix, man, match)
+      status = None
+    self.restore_per_worker(prefix, man)
+    return status
+
+  def check_model(self, prefix: str) -> ModelMatch:
+    """`check_model` with this restorer's settings; the chief names what a partial restore leaves."""
+    match = check_model(self._checkpoint, prefix, self.require_all, self.allow_partial)
+    if match.differences and self._me.is_chief:
+      logging.warning("tfdp: restoring what matches of %s (allow_partial_restore); not "
+                      "restored: %s.", prefix, "; ".join(match.differences))
+    return match
 
   def restore_per_worker(self, prefix: str, man, reader=None) -> None:
     """This worker's own per-worker state from `prefix` (nothing when there is none)."""
@@ -246,13 +465,22 @@ class Restorer:
       failed = [w for w, c in enumerate(codes) if c != OK]
       name = os.path.basename(found[0]) if found else f"number {agreed}"
       if found is not None and CORRUPT in codes:
-        error = error or errors.CorruptCheckpointError(f"worker(s) {failed} found it damaged")
-        logging.warning("tfdp: Skipping a corrupt checkpoint: %s", self.set_aside(found[0], error))
-      elif found is not None:
-        self._catalog.abandon(found[0])
-        unreadable.append(name)
+        damaged = [w for w, c in enumerate(codes) if c == CORRUPT]
+        if outcome == CORRUPT:
+          why = _first_line(error)
+          if not self._me.is_chief:  # The chief's one line says it (recovery.restore_newest).
+            logging.warning("tfdp: %s", why)
+        else:
+          why = f"worker(s) {damaged} found it damaged (their logs name the file)"
+        self.set_aside(found[0], error or errors.CorruptCheckpointError(why))
+        what = f"persistent {name} (set aside: {why})"
+      else:
+        if found is not None:
+          self._catalog.abandon(found[0])
+          unreadable.append(name)
+        what = f"persistent {name} (failed on worker(s) {failed})"
       if tried is not None:
-        tried.append(f"persistent {name} (failed on worker(s) {failed})")
+        tried.append(what)
       bound = agreed
     if unreadable:
       raise errors.CheckpointError(
@@ -263,11 +491,26 @@ class Restorer:
     return None
 
   def _attempt(self, found, before_restore):
-    """This worker's part of one round: (OK, None), or (CORRUPT | UNREADABLE | REFUSED, the error)."""
+    """This worker's part of one round: (OK, None), or (CORRUPT | UNREADABLE | REFUSED, the error).
+
+    A read error that proves no damage (a transient I/O error) is retried
+    (READ_RETRIES) before the checkpoint is given up.
+    """
     if found is None:
       return UNREADABLE, errors.CheckpointError("this worker does not list it")
     prefix, man = found
+    for wait in READ_RETRIES + (None,):
+      outcome, error = self._attempt_once(prefix, man, before_restore)
+      if outcome != UNREADABLE or wait is None:
+        return outcome, error
+      logging.warning("tfdp: could not read %s on this worker (%s); trying again in %.1f s.",
+                      prefix, error, wait)
+      time.sleep(wait)
+    raise AssertionError("unreachable")
+
+  def _attempt_once(self, prefix, man, before_restore):
     try:
+      check_manifest(prefix, man)
       if self._verify:
         check_sizes(prefix, man)
       if before_restore is not None:
@@ -275,17 +518,32 @@ class Restorer:
           before_restore(prefix)
         except Exception as e:  # pylint: disable=broad-except
           return REFUSED, e
-      self.applied = True  # From here on the state may be changed, even if it fails.
-      restore_verified(self._checkpoint, prefix, man)
-      self.restore_per_worker(prefix, man)
+      self._restore_checked(prefix, man)
       return OK, None
     except errors.CorruptCheckpointError as e:
       return CORRUPT, e  # Set aside after the agreement, with a warning.
     except _UNREADABLE as e:
-      logging.warning("tfdp: could not read %s on this worker: %s", prefix, e)
       return UNREADABLE, e
     except Exception as e:  # pylint: disable=broad-except
       return REFUSED, e
+
+  def before_apply(self) -> None:
+    """Called before a restore may change the state: keeps what it is now, once, for `put_back`."""
+    if self._initial is None:
+      self._initial = InitialState(self._checkpoint)
+    self.applied = True  # From here on the state may be changed, even if it fails.
+
+  def put_back(self) -> bool:
+    """After failed restores: gives the state the values it had before them; False when it cannot.
+
+    A fresh start after a failed attempt then starts from the same state
+    as one that never tried (the model's initial values, on every worker).
+    """
+    if self._initial is None:
+      return True
+    done = self._initial.put_back()
+    self._initial, self.applied = None, not done
+    return done
 
   def set_aside(self, prefix: str, error: Exception) -> Exception:
     """Takes corrupt checkpoint `prefix` out of the managed ones; returns the error to raise.
@@ -308,3 +566,33 @@ class Restorer:
     return errors.CorruptCheckpointError(
         f"{str(error).rstrip('.')}. It is no longer a committed checkpoint (set aside as "
         f"{layout_lib.corrupt_path(prefix)}); the newest intact one is {latest}.")
+
+
+def _first_line(error: Exception) -> str:
+  """The first line of `error`'s message, at most 400 characters (what the chief's one line says of it)."""
+  text = (str(error).splitlines() or [type(error).__name__])[0]
+  return text if len(text) <= 400 else text[:397] + "..."
+
+
+class InitialState:
+  """A checkpoint's values before a restore, to put back when every restore failed after changing some.
+
+  Taken without a copy: the tensors alias the variables' buffers, and TF
+  copies a buffer before a restore writes it while they hold it (on a
+  GPU they hold device memory until dropped).
+
+  Args:
+    checkpoint: the `tf.train.Checkpoint`.
+  """
+
+  def __init__(self, checkpoint: tf.train.Checkpoint):
+    checkpoint.save_counter  # pylint: disable=pointless-statement  (made before it is kept)
+    self._checkpoint = checkpoint
+    self._items = items_lib.gather(checkpoint, with_object_graph=False)
+
+  def put_back(self) -> bool:
+    """Assigns the kept values; False (nothing assigned) when the objects cannot take them so (sliced)."""
+    if any(it.slice_spec for it in self._items):
+      return False
+    values = {it.key: it.value.numpy() for it in self._items}
+    return items_lib.restore_values(self._checkpoint, values)

@@ -218,7 +218,9 @@ def _ls_row(files, directory, base, kinds, state, checksums):
     problems = manifest_lib.check_files(prefix)
   else:
     problems = _size_problems(files, prefix, man)
-  status = ("intact" + latest) if not problems else "CORRUPT: " + "; ".join(problems)
+  # Never "intact" unchecked: sizes match says nothing of the bytes.
+  checked = "verified (every byte)" if checksums else "sizes ok (bytes not read: --verify)"
+  status = (checked + latest) if not problems else "CORRUPT: " + "; ".join(problems)
   return (base, str(man.get("step", "-")), _human(man.get("total_bytes", 0)),
           str(man.get("num_shards", "-")), str(man.get("world_size", "-")), status)
 
@@ -411,11 +413,12 @@ def build_parser():
   p = argparse.ArgumentParser(prog="tfdp-ckpt", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True)
   ls = sub.add_parser("ls", help="list checkpoints with step, size, shards, "
-                      "world size and whether intact")
+                      "world size and what was checked: the sizes (fast), or every byte "
+                      "with --verify")
   ls.add_argument("dir")
-  ls.add_argument("--checksums", action="store_true",
+  ls.add_argument("--verify", "--checksums", dest="checksums", action="store_true",
                   help="also check the bytes (reads every byte: the index's CRC-32, each "
-                  "tensor's CRC32C)")
+                  "tensor's CRC32C), as `tfdp-ckpt verify` does")
   ls.set_defaults(fn=cmd_ls)
   v = sub.add_parser("verify", help="exit 0 only if every file matches the "
                      "manifest")
