@@ -129,7 +129,8 @@ class LocalTier:
   def make_link(self, secret: bytes) -> peers.PeerLink:
     """This worker's side channel on the job's `secret`: bound, not serving until its `start`."""
     return peers.PeerLink(self.me, secret, self.layout.directory, on_replica=self._keep_replica,
-                          on_done=self.generations.done, incoming=self._incoming)
+                          on_done=self.generations.done, incoming=self._incoming,
+                          own_step=lambda: max(list(self._copies), default=None))
 
   @property
   def interval(self) -> int | None:
