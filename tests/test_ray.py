@@ -40,3 +40,8 @@ def test_ray_restart_resumes_from_the_local_tier_and_its_peer(tmp_path):
                                "prefix": os.path.join(root, "killed", "backup", "ckpt-40"),
                                "step": 40}
   assert killed["metrics"]["step"] == 40
+  # Goodput over Ray's attempts: the killed one, and the resumed one that recomputed step 35.
+  with open(os.path.join(root, "killed", "backup", "goodput.json")) as f:
+    attempts = json.load(f)["attempts"]
+  assert [(a["failed"], a["restored_step"], a["restored_tier"], a["recomputed_steps"])
+          for a in attempts] == [(True, None, None, 0), (False, 34, "peer", 1)], attempts

@@ -13,13 +13,10 @@ import ray.train
 from ray.train.tensorflow import TensorflowTrainer
 
 
-def train_loop_per_worker(config):
+def model_and_data(strategy):
+  """A small regression model compiled under `strategy`, and its data."""
   import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import tfdp  # pylint: disable=g-import-not-at-top
-  from tfdp.integrations import ray as tfdp_ray  # pylint: disable=g-import-not-at-top
-
-  strategy = tfdp.make_strategy()  # Reads the TF_CONFIG Ray set for this worker.
   rng = np.random.default_rng(0)
   x = rng.normal(size=(1024, 8)).astype("float32")
   y = (x @ rng.normal(size=(8, 1))).astype("float32")
@@ -27,6 +24,15 @@ def train_loop_per_worker(config):
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+  return model, x, y
+
+
+def train_loop_per_worker(config):
+  import tfdp  # pylint: disable=g-import-not-at-top
+  from tfdp.integrations import ray as tfdp_ray  # pylint: disable=g-import-not-at-top
+
+  strategy = tfdp.make_strategy()  # Reads the TF_CONFIG Ray set for this worker.
+  model, x, y = model_and_data(strategy)
   backup = tfdp.callbacks.BackupAndRestore(
       backup_dir=config["backup_dir"], save_freq=10, delete_checkpoint=False,
       local_checkpoint_every_steps=2)

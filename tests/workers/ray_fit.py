@@ -1,7 +1,8 @@
 """Keras fit with tfdp on a real local Ray cluster: a reference run, then one whose worker 1 loses its local dir and is SIGKILLed.
 
 Usage: ray_fit.py ROOT. One `ray.init(num_cpus=2)` for both runs. Each run:
-TensorflowTrainer with 2 workers, FailureConfig(max_failures=1),
+scripts/examples/ray_keras.py's model and data, TensorflowTrainer with 2
+workers, FailureConfig(max_failures=1),
 BackupAndRestore(save_freq=10, local_checkpoint_every_steps=2, a local
 directory per worker) and ReportCheckpoints. In the second run worker 1
 wipes its local directory and SIGKILLs itself after step KILL_AT of its
@@ -20,6 +21,12 @@ import time
 import ray
 import ray.train
 from ray.train.tensorflow import TensorflowTrainer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "examples"))
+import ray_keras  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# The workers get the user script's model by value, as they get this file's loop.
+ray.cloudpickle.register_pickle_by_value(ray_keras)
 
 KILL_AT, LOCAL_EVERY = 35, 2
 
@@ -41,13 +48,7 @@ def train_loop_per_worker(config):
   attempt = len(os.listdir(attempt_path)) if os.path.isdir(attempt_path) else 0
   os.makedirs(os.path.join(attempt_path, str(attempt)))
   local_dir = os.path.join(root, "local", f"w{rank}")
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(1024, 8)).astype("float32")
-  y = (x @ rng.normal(size=(8, 1))).astype("float32")
-  with strategy.scope():
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+  model, x, y = ray_keras.model_and_data(strategy)
   backup = tfdp.callbacks.BackupAndRestore(
       backup_dir=os.path.join(root, "backup"), save_freq=10, delete_checkpoint=False,
       local_checkpoint_dir=local_dir, local_checkpoint_every_steps=LOCAL_EVERY)
