@@ -296,6 +296,32 @@ def agree(value: float, op: str = "max", strategy: Any = None) -> float:
   return float({"max": column.max, "min": column.min, "sum": column.sum}[op]())
 
 
+# Bytes per number in gather_text: 48-bit words come back exact in float64.
+_TEXT_WORD = 6
+
+
+def gather_text(text: str, nbytes: int, strategy: Any = None) -> list[str]:
+  """Every worker's `text`, in worker order, the same on every worker (one `gather`).
+
+  Every worker must call it at the same point of the program with the same
+  `nbytes`, as any collective.
+
+  Args:
+    text: this worker's string; its UTF-8 encoding has at most `nbytes` bytes.
+    nbytes: the longest encoding any worker sends (agree on it first).
+    strategy: the multi-worker strategy; None: the one in scope.
+
+  Returns:
+    One string per worker (one, this worker's, without a multi-worker strategy).
+  """
+  words = -(-nbytes // _TEXT_WORD)
+  raw = text.encode("utf-8").ljust(words * _TEXT_WORD, b"\0")
+  own = [int.from_bytes(raw[i:i + _TEXT_WORD], "big") for i in range(0, len(raw), _TEXT_WORD)]
+  rows = gather(own, strategy)
+  return [b"".join(int(w).to_bytes(_TEXT_WORD, "big") for w in row).rstrip(b"\0").decode("utf-8")
+          for row in rows]
+
+
 def shared_secret(me: Worker, nbytes: int = 32) -> bytes:
   """A random key the chief draws and every worker of the job gets, over the job's own collectives.
 

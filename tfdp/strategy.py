@@ -13,6 +13,7 @@ from tensorflow.python.distribute import distribute_lib
 from tfdp import environment
 from tfdp import errors
 from tfdp import gradients
+from tfdp import startup
 # The kinds and choose_kind are TensorFlow-free (tfdp-train checks its flags before TF starts).
 from tfdp.strategy_kind import ALL_REDUCE, KINDS, choose_kind  # pylint: disable=unused-import
 
@@ -189,6 +190,7 @@ class _Request:
   all_reduce: str
   bytes_per_pack: int
   peer_timeout_seconds: float | None
+  startup_timeout_seconds: float | None
   resolver: Any
   config: dict | None
 
@@ -215,6 +217,8 @@ def _build_multi_worker(r: _Request) -> tf.distribute.Strategy:
   _check_tf_not_started()
   if r.peer_timeout_seconds:
     _configure_peer_timeout(r.config, r.peer_timeout_seconds)
+  # TF would wait for the peers deaf to signals; wait for them in Python first.
+  startup.wait_for_peers(r.config, r.startup_timeout_seconds)
   if not r.num_gpus and (r.cpu_replicas or 1) > 1:
     return _MultiWorkerCpuReplicasStrategy(r.cpu_replicas, options, r.resolver)
   return tf.distribute.MultiWorkerMirroredStrategy(
@@ -252,7 +256,8 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
                   all_reduce: str = "auto", timeout_seconds: float | None = None,
                   bytes_per_pack: int | None = None, cluster: str = "auto",
                   peer_timeout_seconds: float | None = DEFAULT_PEER_TIMEOUT_SECONDS,
-                  gradient_compression: str | None = None
+                  gradient_compression: str | None = None,
+                  startup_timeout_seconds: float | None = None
                   ) -> tf.distribute.Strategy:
   """Creates the `tf.distribute.Strategy` for this process.
 
@@ -284,6 +289,11 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
       dtype, "none" in their own; None keeps the gradient path's setting
       (`tfdp.configure_gradients`; off unless set). Any strategy's `fit` takes
       it: see tfdp.gradients.
+    startup_timeout_seconds: multi_worker: how long a worker waits for the
+      others of TF_CONFIG to connect before it exits with code 2 and a line
+      naming them (default: env TFDP_STARTUP_TIMEOUT, else no limit). While
+      it waits it names them every 30 s, and SIGINT or SIGTERM end it
+      (exit code 2); see tfdp.startup.
 
   Returns:
     A `tf.distribute.Strategy`.
@@ -312,7 +322,9 @@ def make_strategy(kind: str = "auto", *, cpu_replicas: int | None = None,
   strategy = _BUILDERS[kind](_Request(
       num_gpus=num_gpus, cpu_replicas=cpu_replicas, all_reduce=all_reduce,
       bytes_per_pack=bytes_per_pack,
-      peer_timeout_seconds=peer_timeout_seconds, resolver=resolver,
+      peer_timeout_seconds=peer_timeout_seconds,
+      startup_timeout_seconds=startup.startup_timeout(startup_timeout_seconds),
+      resolver=resolver,
       config=config))
   logging.info("tfdp strategy: %s, %d replica(s) in sync, all_reduce=%s",
                type(strategy).__name__, strategy.num_replicas_in_sync, all_reduce)

@@ -160,6 +160,12 @@ class CheckpointManager(local_face.LocalFace):
                                  checkpoint_overhead)
     started = session_lib.start(self._me, self._layout, run_id, self._timeout,
                                 tiers=self._local is not None)
+    if started.own is not None:  # A non-chief given a directory of its own writes into the chief's.
+      self._layout, self._directory = started.layout, started.layout.directory
+      self._local = local_lib.make(self._layout, local_checkpoint_dir,
+                                   local_checkpoint_every_steps, self._me, self._timeout,
+                                   checkpoint_overhead)
+    self._started = started
     self._session = started.id
     self._lease = lease_lib.Holder(self._layout.lease_path, started.id, self._directory,
                                    started.lease)
@@ -232,6 +238,7 @@ class CheckpointManager(local_face.LocalFace):
         already committed.
     """
     self._wait()
+    self._started.keep_own()
     step, persistent, local = self._decide(check_interval)
     if not persistent:
       return self._then_local(local, step, None)

@@ -1,0 +1,1 @@
+"""Where tfdp meets other engines (Ray Train); each submodule imports its engine only when used."""

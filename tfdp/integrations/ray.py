@@ -1,0 +1,92 @@
+"""Ray Train: a Keras callback that tells Ray about each committed tfdp backup (metrics and a pointer checkpoint)."""
+
+import json
+import os
+import tempfile
+
+import keras
+
+from tfdp import errors
+
+POINTER = "tfdp_backup.json"
+
+
+class ReportCheckpoints(keras.callbacks.Callback):
+  """Reports each backup that `backup` (a tfdp BackupAndRestore) committed to Ray Train.
+
+  Put it after the BackupAndRestore in `fit`'s callbacks, inside Ray's
+  `train_loop_per_worker`. After each backup save (the same steps on every
+  worker, as `ray.train.report` needs: it is a barrier), every worker calls
+  `ray.train.report` with the logs of that step plus `step`; the chief adds
+  a checkpoint that points at the backup: a directory holding one small
+  file, `tfdp_backup.json` (`backup_dir`, `prefix`, `step`), so Ray's
+  `Result.checkpoint` names tfdp's newest backup. It is a pointer and not the
+  checkpoint's files because Ray registers a checkpoint only as a directory
+  of its own inside the run's storage, copied there unless already there;
+  a tfdp backup is files in the backup directory beside the older ones and
+  the local tier's copies, which Ray would copy (and, with its num_to_keep,
+  delete) a second time. Read it back with `backup_of(result.checkpoint)`.
+  The backup directory must outlive the run for the pointer to lead
+  somewhere: pass BackupAndRestore(delete_checkpoint=False).
+
+  Args:
+    backup: the BackupAndRestore callback of the same fit.
+  """
+
+  def __init__(self, backup):
+    super().__init__()
+    self.backup = backup
+    self._reported = None
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._report_if_saved(logs)
+
+  def on_epoch_end(self, epoch, logs=None):
+    self._report_if_saved(logs)
+
+  def _report_if_saved(self, logs):
+    manager = self.backup.manager
+    step = None if manager is None else manager.last_saved_step
+    if step is None or step == self._reported:
+      return
+    self._reported = step
+    import ray.train  # pylint: disable=g-import-not-at-top
+    manager.sync()  # An async save commits first: the pointer names a committed backup.
+    metrics = {k: float(v) for k, v in (logs or {}).items() if _is_number(v)}
+    metrics["step"] = int(step)
+    prefix = manager.latest_checkpoint
+    if not manager.is_chief or prefix is None:
+      ray.train.report(metrics)
+      return
+    with tempfile.TemporaryDirectory() as pointer_dir:
+      with open(os.path.join(pointer_dir, POINTER), "w", encoding="utf-8") as f:
+        json.dump({"backup_dir": self.backup.backup_dir, "prefix": prefix, "step": int(step)}, f)
+      ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))
+
+
+def _is_number(value) -> bool:
+  try:
+    float(value)
+  except (TypeError, ValueError):
+    return False
+  return True
+
+
+def backup_of(checkpoint) -> dict:
+  """What a ReportCheckpoints pointer (a `ray.train.Checkpoint`, e.g. `Result.checkpoint`) names.
+
+  Returns:
+    {"backup_dir": ..., "prefix": ..., "step": ...}: the backup directory
+    to pass to BackupAndRestore (or tfdp-ckpt), and the checkpoint in it.
+
+  Raises:
+    CheckpointError: the checkpoint is not one ReportCheckpoints reported.
+  """
+  with checkpoint.as_directory() as directory:
+    path = os.path.join(directory, POINTER)
+    if not os.path.exists(path):
+      raise errors.CheckpointError(
+          f"{checkpoint} holds no {POINTER}: it was not reported by "
+          "tfdp.integrations.ray.ReportCheckpoints.")
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
