@@ -172,3 +172,20 @@ def free_bytes(path: str) -> int | None:
   except OSError:
     return None
   return st.f_bavail * st.f_frsize
+
+
+def _umask() -> int:
+  """This process's umask (Linux: from /proc, as setting it to read it races other threads)."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      return int(next(l for l in f if l.startswith("Umask:")).split()[1], 8)
+  except (OSError, StopIteration, ValueError):
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def user_mode(path: str) -> None:
+  """Gives a local file the mode `open()` gives: 0666 less the umask (`safetensors` and `mkstemp` give 0600)."""
+  if "://" not in path:
+    os.chmod(path, 0o666 & ~_umask())

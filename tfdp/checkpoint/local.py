@@ -454,10 +454,8 @@ class LocalTier:
     self.generations.restored(step)
     self.clear_recovery()
 
-  # -- peer recovery markers --
-
   def mark_recovery(self, step: int) -> None:
-    """Notes, before a peer recovery of `step` starts, that it is under way (see failed_recovery)."""
+    """Peer recovery markers: notes, before a peer recovery of `step` starts, that it is under way."""
     fs.write_json_atomic(self.layout.recovery_marker(step), {"step": step, "time": time.time()})
 
   def failed_recovery(self) -> list[int]:

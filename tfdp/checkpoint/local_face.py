@@ -13,9 +13,9 @@ def _local_property(get, doc, default=None):
 class LocalFace:
   """The local-tier part of `tfdp.CheckpointManager`'s API (a mixin: the manager owns `_local`).
 
-  The manager sets `_local` (a `tfdp.checkpoint.local.LocalTier` or None) and
-  `_step_counter`, and gives `_local_items(step)` (what a copy holds) and
-  `_local_meta(step)` (its SaveMeta).
+  The manager sets `_local` (a `tfdp.checkpoint.local.LocalTier` or None),
+  `_step_counter`, `_taken` (what its persistent save of a step took),
+  `_gather` and `_per_worker`, and gives `_meta(...)` (a SaveMeta).
   """
 
   _local = None
@@ -57,8 +57,9 @@ class LocalFace:
     at the step of a persistent save, that save's); the copy is written
     into a slot in the background, its per-worker state sent to the
     neighbour. A save while the previous one is still being written waits
-    for it, in place of any save waiting already (counted in
-    `local_saves_skipped`); a failed local save is logged, and training goes on.
+    for it (with one worker, a save waiting already is replaced by the newer
+    one, counted in `local_saves_skipped`); a failed local save is logged,
+    and training goes on.
 
     Args:
       step: the global step (default: `step_counter`'s value).
@@ -85,3 +86,24 @@ class LocalFace:
     if self._local is not None:
       self._local.drop()
 
+  def _then_local(self, local, step, prefix):
+    """A save()'s local save, after its persistent one as in the callbacks: with its save_counter."""
+    if local:
+      self.save_local(step)
+    return prefix
+
+  def _local_items(self, step):
+    """What a local copy holds: the state, taken in one traced call, and this worker's per-worker state.
+
+    At the step of a persistent save, what that save took (the same reads
+    and data position for both tiers: one snapshot on CPU; on a GPU the
+    local tier still copies device tensors into its host mirrors).
+    """
+    taken, self._taken = self._taken, None
+    if taken is not None and taken[0] == step:
+      return taken[1]
+    return self._gather() + self._per_worker.items()
+
+  def _local_meta(self, step):
+    return self._meta(step, step, None, tier="local", run_token=self._local.token,
+                      per_worker_required=self._per_worker.required)

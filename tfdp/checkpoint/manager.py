@@ -271,12 +271,6 @@ class CheckpointManager(local_face.LocalFace):
       self._wait(lambda: self._run(job, sweep, callbacks))
     return self._then_local(local, step, prefix)
 
-  def _then_local(self, local, step, prefix):
-    """A save()'s local save, after its persistent one as in the callbacks: with its save_counter."""
-    if local:
-      self.save_local(step)
-    return prefix
-
   def restore(self, save_path: str | None = None, *, allow_partial_restore: bool = False,
               require_all: bool = False):
     """Verifies and restores checkpoint `save_path` (default: the latest).
@@ -450,18 +444,6 @@ class CheckpointManager(local_face.LocalFace):
     self._uncommitted_count = before
     return number, prefix
 
-  def _local_items(self, step):
-    """What a local copy holds: the state, taken in one traced call, and this worker's per-worker state.
-
-    At the step of a persistent save, what that save took (the same reads
-    and data position for both tiers: one snapshot on CPU; on a GPU the
-    local tier still copies device tensors into its host mirrors).
-    """
-    taken, self._taken = self._taken, None
-    if taken is not None and taken[0] == step:
-      return taken[1]
-    return self._gather() + self._per_worker.items()
-
   def _plan(self, step):
     """This worker's files of the save: a host snapshot of its part when async."""
     items = items_lib.gather(self._checkpoint)
@@ -497,10 +479,6 @@ class CheckpointManager(local_face.LocalFace):
   def _meta(self, number, step, metrics, **extra):
     return manifest_lib.SaveMeta.new(number, step, metrics, self._global_batch_size,
                                      self._per_worker.keys, **extra)
-
-  def _local_meta(self, step):
-    return self._meta(step, step, None, tier="local", run_token=self._local.token,
-                      per_worker_required=self._per_worker.required)
 
   def _restored(self, prefix, man, tier):
     step = man.step if man is not None else layout_lib.number_of(prefix)

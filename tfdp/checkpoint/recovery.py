@@ -183,7 +183,7 @@ class TieredRestore:
       (`Restorer.before_apply`).
     check_model: `fn(prefix)` raising IncompatibleCheckpointError for a copy
       of another model (`Restorer.check_model`), before anything is
-      assigned; else its `restore.ModelMatch` (None: TF's keys).
+      assigned; else its `model_match.ModelMatch` (None: TF's keys).
   """
 
   def __init__(self, checkpoint, tier: local_lib.LocalTier, me: cluster.Worker,

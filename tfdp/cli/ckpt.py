@@ -394,12 +394,13 @@ def cmd_export(args, out):
     path = export.keras_from_checkpoint(args.path, _keras_target(args))
     out.write(f"wrote {path}\n")
     return 0
-  result = export.save_safetensors(
+  from tfdp import safetensors_export  # pylint: disable=g-import-not-at-top
+  result = safetensors_export.save_safetensors(
       args.path, args.out, include_optimizer=args.include_optimizer,
-      max_shard_size=(export.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
+      max_shard_size=(safetensors_export.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
                       else args.max_shard_size),
       overwrite=args.overwrite)
-  shards = len(result.files) - (export.SAFETENSORS_INDEX in result.files)
+  shards = len(result.files) - (safetensors_export.SAFETENSORS_INDEX in result.files)
   out.write(f"wrote {len(result.names)} tensors, {result.total_size} bytes in {shards} "
             f"file(s) to {args.out}")
   if result.left_out:
