@@ -36,7 +36,7 @@ def _launch(mode, tmp_path, num_workers=2, out=None, **kw):
 
 def _final(lines):
   """The launcher's lines after `job failed`: the failure lines."""
-  at = lines.index("[tfdp-launch] job failed; exit code 1.")
+  at = next(i for i, l in enumerate(lines) if l.startswith("[tfdp-launch] job failed"))
   return lines[at + 1:]
 
 
@@ -44,8 +44,12 @@ def _final(lines):
 
 
 def test_the_same_error_on_every_worker_is_printed_once_and_ends_the_output(tmp_path):
-  code, lines = _launch("same", tmp_path)
-  assert code == launch.EXIT_WORKER_FAILED, lines
+  # A ConfigError would repeat in every attempt: no restart, exit 2 (a usage error).
+  code, lines = _launch("same", tmp_path, max_restarts=2)
+  assert code == launch.EXIT_USAGE, lines
+  assert not any(l.startswith("[tfdp-launch] restart") for l in lines), lines
+  assert ("[tfdp-launch] job failed on its settings or its backup; not restarting it; "
+          "exit code 2.") in lines, lines
   text = "\n".join(lines)
   # Both workers' tracebacks differ in the worker index, pid and temp folder only.
   assert text.count("Traceback (most recent call last):") == 1, text
@@ -102,12 +106,13 @@ def test_a_peers_collective_error_after_a_kill_is_no_failure_of_its_own(tmp_path
 
 def test_tf_noise_of_a_failed_job_is_one_count_line_not_the_last(tmp_path):
   code, lines = _launch("noise", tmp_path)
-  assert code == launch.EXIT_WORKER_FAILED, lines
+  assert code == launch.EXIT_USAGE, lines  # Its error is a ConfigError.
   text = "\n".join(lines)
   assert "cuInit" not in text and "cuda drivers" not in text and "AVX2" not in text, text
   count = f"[tfdp-launch] 10 TensorFlow log lines held back; {SHOW}"
   assert lines.count(count) == 1, text
-  assert lines.index(count) < lines.index("[tfdp-launch] job failed; exit code 1."), text
+  assert lines.index(count) < lines.index(
+      "[tfdp-launch] job failed on its settings or its backup; not restarting it; exit code 2."), text
   assert re.fullmatch(r"\[tfdp-launch\] workers 0,1 failed: ConfigError: .*", lines[-1]), text
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -22,6 +23,9 @@ EXIT_OK = 0
 # message names the worker and, after restarts, lists every cause.
 EXIT_WORKER_FAILED = 1
 EXIT_USAGE = 2
+# A worker's last error line that names an error of the job's own settings
+# (Python's `Type: message`, the type possibly qualified by its module).
+_USER_ERROR = re.compile(r"(?:[\w.]+\.)?(?:ConfigError|IncompatibleCheckpointError): ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +200,7 @@ class _Job:
         self._report_goodput()
         return EXIT_OK
       self.causes.append(f"attempt {attempt + 1}: {failure.message}")
-      if attempt >= self.options.max_restarts:
+      if attempt >= self.options.max_restarts or self._user_error(failure):
         code = self._give_up(attempt)
         self._report_goodput()
         return code
@@ -279,10 +283,24 @@ class _Job:
     self.log(f"job failed after the signal{why}; exit code {EXIT_WORKER_FAILED}.")
     return EXIT_WORKER_FAILED
 
+  def _user_error(self, failure) -> bool:
+    """Whether `failure` is an error of the job's settings that every attempt would repeat.
+
+    tfdp's ConfigError (a bad setting) and IncompatibleCheckpointError (a
+    backup of another model): a restart cannot help, and the job exits
+    EXIT_USAGE, as tfdp's CLIs do for them.
+    """
+    error = self.group.lines.error(failure.index)[0] if failure.kind == "exit" else None
+    return bool(error) and _USER_ERROR.match(error) is not None
+
   def _give_up(self, attempt):
     # The group logged the failure when it happened; this line says what follows,
     # the job's last lines what failed.
     self.final_lines = self.group.failure_lines(self.group.failure)
+    if self._user_error(self.group.failure):
+      self.log(f"job failed on its settings or its backup; not restarting it; exit code "
+               f"{EXIT_USAGE}.")
+      return EXIT_USAGE
     if self.options.max_restarts:
       self.log(f"giving up after {attempt} restart(s) (--max_restarts="
                f"{self.options.max_restarts}); causes: " + "; ".join(self.causes)
