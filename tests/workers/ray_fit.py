@@ -59,6 +59,11 @@ def train_loop_per_worker(config):
     def on_train_batch_end(self, batch, logs=None):
       if (config["kill"] and rank == 1 and attempt == 0
           and int(self.model.optimizer.iterations.numpy()) == KILL_AT):
+        # Its step-34 copy is written and sent to worker 0 in a writer thread;
+        # wait for it, or under a loaded CPU the kill can beat the send and the
+        # resume is from step 32 (the race of any asynchronous save, not the
+        # resume this test is about).
+        backup.manager.sync()
         shutil.rmtree(local_dir)  # Its node, and the local copies on it, are gone.
         os.kill(os.getpid(), signal.SIGKILL)
 
