@@ -45,3 +45,36 @@ def test_ray_restart_resumes_from_the_local_tier_and_its_peer(tmp_path):
     attempts = json.load(f)["attempts"]
   assert [(a["failed"], a["restored_step"], a["restored_tier"], a["recomputed_steps"])
           for a in attempts] == [(True, None, None, 0), (False, 34, "peer", 1)], attempts
+  # The driver reads the goodput line: the one the chief printed, over both attempts.
+  line = killed["goodput"]
+  assert line.startswith("goodput ") and "1 restart (" in line and "1 steps recomputed" in line
+  assert f"tfdp: {line}" in killed["printed"]["0"][-1]
+  # One voice: Keras's epoch lines and tfdp's line come from the chief (rank 0) alone.
+  for run in (reference, killed):
+    assert "Epoch 3/3" in run["printed"]["0"][-1], run["printed"]
+    assert not any("Epoch" in p or "goodput" in p for p in run["printed"]["1"]), run["printed"]
+
+
+def _attempt(directory, finish):
+  """One attempt's goodput records in `directory`, written by a process that then ends (or dies)."""
+  code = ("import sys; from tfdp import goodput; r = goodput.Recorder(sys.argv[1], tensorboard=False)\n"
+          "for s in range(1, 6): r.step(s)\n" + ("r.finished(5)" if finish else ""))
+  subprocess.run([sys.executable, "-c", code, directory], cwd=REPO, env=shared.environ(),
+                 check=True, stdout=subprocess.DEVNULL, timeout=60)
+
+
+def test_goodput_summary_of_a_finished_run_and_of_one_ray_gave_up_on(tmp_path):
+  """goodput_summary reads the finished run's goodput.json, and sums a newer run that never finished."""
+  from tfdp import goodput
+  from tfdp.integrations import ray as tfdp_ray
+  directory = str(tmp_path)
+  assert tfdp_ray.goodput_summary(directory) is None
+  _attempt(directory, finish=True)
+  with open(os.path.join(directory, "goodput.json")) as f:
+    finished = goodput.summary_line(json.load(f))
+  assert tfdp_ray.goodput_summary(directory) == finished
+  # A later run's two attempts, both gone unfinished (Ray's max_failures spent).
+  _attempt(directory, finish=False)
+  _attempt(directory, finish=False)
+  line = tfdp_ray.goodput_summary(directory)
+  assert line != finished and line.startswith("goodput ") and "1 restart (" in line, line

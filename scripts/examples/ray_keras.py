@@ -53,6 +53,8 @@ def main(storage):
   print("metrics:", result.metrics)
   from tfdp.integrations import ray as tfdp_ray  # pylint: disable=g-import-not-at-top
   print("newest backup:", tfdp_ray.backup_of(result.checkpoint))
+  # Where the wall time of Ray's attempts went: the line the chief printed into Ray's logs.
+  print(tfdp_ray.goodput_summary(os.path.join(storage, "backup")))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ BackupAndRestore(save_freq=10, local_checkpoint_every_steps=2, a local
 directory per worker) and ReportCheckpoints. In the second run worker 1
 wipes its local directory and SIGKILLs itself after step KILL_AT of its
 first attempt. Writes ROOT/result.json: each run's final weights (as
-bytes' hex), attempts, what each attempt restored, and Ray's newest
-reported checkpoint.
+bytes' hex), attempts, what each attempt restored and printed, Ray's
+newest reported checkpoint and the goodput line over Ray's attempts.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -58,11 +59,19 @@ def train_loop_per_worker(config):
     def on_train_batch_end(self, batch, logs=None):
       if (config["kill"] and rank == 1 and attempt == 0
           and int(self.model.optimizer.iterations.numpy()) == KILL_AT):
+        # Its step-34 copy is written and sent to worker 0 in a writer thread;
+        # wait for it, or under a loaded CPU the kill can beat the send and the
+        # resume is from step 32 (the race of any asynchronous save, not the
+        # resume this test is about).
+        backup.manager.sync()
         shutil.rmtree(local_dir)  # Its node, and the local copies on it, are gone.
         os.kill(os.getpid(), signal.SIGKILL)
 
-  model.fit(x, y, batch_size=64, epochs=3, shuffle=True, verbose=0,
-            callbacks=[backup, tfdp_ray.ReportCheckpoints(backup), Kill()])
+  # What this worker prints (Keras's epoch lines, tfdp's goodput line): the chief's alone.
+  with open(os.path.join(attempt_path, str(attempt), "stdout"), "w") as out, \
+      contextlib.redirect_stdout(out):
+    model.fit(x, y, batch_size=64, epochs=3, shuffle=True, verbose=2,
+              callbacks=[backup, tfdp_ray.ReportCheckpoints(backup), Kill()])
   record = {"started": started, "ended": time.time(), "restored_step": backup.restored_step,
             "restored_tier": backup.manager.restored_tier if backup.manager else None}
   with open(os.path.join(attempt_path, str(attempt), "restored.json"), "w") as f:
@@ -84,15 +93,18 @@ def run(root, kill):
   from tfdp.integrations import ray as tfdp_ray  # pylint: disable=g-import-not-at-top
   with np.load(os.path.join(root, "weights.npz")) as w:
     weights = [w[k].tobytes().hex() for k in sorted(w.files)]
-  attempts = {}
+  attempts, printed = {}, {0: [], 1: []}
   for rank in (0, 1):
     path = os.path.join(root, f"attempts-{rank}")
     attempts[rank] = []
     for a in sorted(os.listdir(path), key=int):
       done = os.path.join(path, a, "restored.json")
       attempts[rank].append(json.load(open(done)) if os.path.exists(done) else None)
+      with open(os.path.join(path, a, "stdout")) as f:
+        printed[rank].append(f.read())
   return {"weights": weights, "attempts": attempts, "metrics": result.metrics,
-          "pointer": tfdp_ray.backup_of(result.checkpoint)}
+          "pointer": tfdp_ray.backup_of(result.checkpoint), "printed": printed,
+          "goodput": tfdp_ray.goodput_summary(os.path.join(root, "backup"))}
 
 
 def main(root):

@@ -3,10 +3,14 @@
 import json
 import os
 import tempfile
+import time
+from typing import Optional
 
 import keras
 
 from tfdp import errors
+from tfdp import goodput
+from tfdp.checkpoint import layout
 
 POINTER = "tfdp_backup.json"
 
@@ -90,3 +94,29 @@ def backup_of(checkpoint) -> dict:
           "tfdp.integrations.ray.ReportCheckpoints.")
     with open(path, encoding="utf-8") as f:
       return json.load(f)
+
+
+def goodput_summary(backup_dir: str) -> Optional[str]:
+  """The goodput line over a Ray run's attempts, as tfdp-launch prints it, read from `backup_dir`.
+
+  Call it on the Ray driver after `trainer.fit()` (or after it raised):
+  Ray's attempts are the attempts tfdp's ledger in the backup directory
+  recorded, one per restart of the group. A run that finished wrote
+  `goodput.json` there (its chief's summary over all attempts); a run Ray
+  gave up on (more failures than `max_failures`) left only the ledger's
+  records, which are summed here the same way. Needs a local (or mounted)
+  backup directory: the ledger is kept only there.
+
+  Args:
+    backup_dir: the BackupAndRestore's backup_dir.
+
+  Returns:
+    `goodput P%: N restarts (S s), K steps recomputed (S s), ...`, or None
+    when the directory holds no record of a run.
+  """
+  ledger = layout.Layout(backup_dir).goodput_dir
+  # Attempts after the newest finished one: a run Ray gave up on, newer than any goodput.json.
+  failed = goodput.ledger.Ledger(ledger).attempts(time.time()) if os.path.isdir(ledger) else []
+  summary = (goodput.summarize(failed, max(a["end"] for a in failed)) if failed
+             else goodput.read_json(os.path.join(backup_dir, goodput.SUMMARY_FILE)))
+  return goodput.summary_line(summary) if summary else None
