@@ -436,3 +436,13 @@ def test_a_worker_of_the_asking_attempt_is_not_counted_in_an_earlier_one(tmp_pat
   (earlier,) = second.earlier
   assert sorted(earlier["progress_steps"]) == [27, 27]
   assert second.high_water == 27
+
+
+def test_the_ledger_makes_every_folder_it_creates_private(tmp_path):
+  """A run directory the ledger makes first is the backups' folder too: 0700, not the umask's."""
+  folder = tmp_path / "runs" / "model" / ".tfdp-goodput"
+  from tfdp.goodput import ledger  # pylint: disable=g-import-not-at-top
+  ledger.Ledger(str(folder))
+  for path in (tmp_path / "runs", tmp_path / "runs" / "model", folder):
+    assert os.stat(path).st_mode & 0o777 == 0o700, path
+

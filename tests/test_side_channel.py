@@ -393,3 +393,14 @@ def test_a_job_under_strangers_holding_every_slot_replicates_and_ends_bitwise_eq
   ref = tier_runs.weights(two_worker_reference_runs["root"] + "/ref", 0)
   for worker in (0, 1):
     np.testing.assert_array_equal(ref, tier_runs.weights(str(tmp_path), worker))
+
+
+def test_a_header_of_unterminated_escaped_quotes_is_refused_in_one_pass():
+  """Its depth check ran a regex whose time grew with the square of the header (~11 min here)."""
+  raw = b'"' + b'\\"' * 200_000
+  start = time.perf_counter()
+  with pytest.raises(wire.Refused):
+    wire.parse_header(raw)
+  assert time.perf_counter() - start < 2.0
+  assert wire.parse_header(b'{"a": "[[{\\"}", "b": [1, {"c": 2}]}') == {"a": '[[{"}', "b": [1, {"c": 2}]}
+

@@ -99,9 +99,10 @@ def client_handshake(sock, secret: bytes, me: int, to: int) -> "Channel":
 
   Raises:
     ConnectionError: the server is not worker `to` of this job.
-    OSError: the connection failed or timed out.
+    OSError: the connection failed, or the handshake took over HANDSHAKE_S.
   """
-  hello = bytes(wire.recv_exact(sock, HELLO_BYTES))
+  timeout, deadline = sock.gettimeout(), time.monotonic() + HANDSHAKE_S
+  hello = bytes(wire.recv_exact(sock, HELLO_BYTES, deadline))
   if hello[:len(MAGIC)] != MAGIC:
     raise ConnectionError("the peer does not speak tfdp's side channel")
   (server,) = _INDEX.unpack(hello[len(MAGIC):len(MAGIC) + _INDEX.size])
@@ -111,9 +112,10 @@ def client_handshake(sock, secret: bytes, me: int, to: int) -> "Channel":
   nonce_s, nonce_c = hello[len(MAGIC) + _INDEX.size:], secrets.token_bytes(_NONCE)
   transcript = _transcript(to, me, nonce_s, nonce_c)
   sock.sendall(MAGIC + _INDEX.pack(me) + nonce_c + _mac(secret, _TO_SERVER, transcript))
-  proof = bytes(wire.recv_exact(sock, _MAC))
+  proof = bytes(wire.recv_exact(sock, _MAC, deadline))
   if not hmac.compare_digest(proof, _mac(secret, _TO_CLIENT, transcript)):
     raise ConnectionError("the peer is not a worker of this job (wrong proof)")
+  sock.settimeout(timeout)
   to_server, to_client = _keys(secret, transcript)
   return Channel(sock, send_key=to_server, recv_key=to_client)
 

@@ -117,6 +117,7 @@ def _write_file(job, j, items):
   nbytes = write_shard(shard_prefix, items)
   data = layout_lib.data_filename(shard_prefix, 0, 1)
   index = layout_lib.index_path(shard_prefix)
+  fs.restrict(data)  # 0600 before the merge renames it into the checkpoint's folder.
   fs.fsync_file(data)
   fs.fsync_file(index)
   return {

@@ -97,7 +97,9 @@ def frame(header: dict, blobs=()) -> list:
   return [LENGTH.pack(len(head)) + head] + blobs
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+# A string, or an unterminated one to the end: every match succeeds, so the
+# scan is one linear pass (a required closing quote made `"\"\"...` quadratic).
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 
 

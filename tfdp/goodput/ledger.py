@@ -156,7 +156,18 @@ class Ledger:
 
   def __init__(self, folder: str):
     self.folder = folder
-    os.makedirs(folder, 0o700, exist_ok=True)
+    # Every folder it makes is 0700: os.makedirs gives its mode to the last one only,
+    # and a run directory made here is the backups' folder too.
+    missing = []
+    path = os.path.abspath(folder)
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+      missing.append(path)
+      path = os.path.dirname(path)
+    for path in reversed(missing):
+      try:
+        os.mkdir(path, 0o700)
+      except FileExistsError:
+        pass
 
   @classmethod
   def of(cls, directory: Optional[str], fallback: Optional[str] = None) -> Optional["Ledger"]:
