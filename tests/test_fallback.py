@@ -74,6 +74,9 @@ def test_broken_newest_is_set_aside_and_the_older_one_used(base, tmp_path, kind,
   with caplog.at_level(logging.WARNING):
     assert mgr.restore_or_initialize() == os.path.join(d, "ckpt-1")
   assert np.all(ckpt.v.numpy() == 1.0)
+  # The values before the failed attempt are let go once a restore succeeded
+  # (kept, they would hold a second copy of the state for the whole run).
+  assert mgr._restorer._initial is None  # pylint: disable=protected-access
   assert "(set aside: " in caplog.text and newest + bad_file in caplog.text
   assert os.path.exists(newest + MANIFEST + ".corrupt")
   assert mgr.checkpoints == [os.path.join(d, "ckpt-1")]

@@ -276,3 +276,14 @@ def test_a_custom_loops_save_of_a_step_already_saved_returns_its_path(tmp_path, 
   step.assign_add(1)
   with pytest.raises(errors.CheckpointError, match="already exists"):
     mgr.save(checkpoint_number=8)
+
+
+def test_without_a_step_counter_a_second_save_at_a_number_is_refused_not_dropped(tmp_path):
+  """Nothing tells a repeat of the state from a changed one: refused, never the changed state dropped."""
+  v = tf.Variable(1.0)
+  ckpt = tf.train.Checkpoint(v=v)
+  mgr = CheckpointManager(ckpt, str(tmp_path))
+  mgr.save(checkpoint_number=1)
+  v.assign(2.0)
+  with pytest.raises(errors.CheckpointError, match="already exists.*step_counter"):
+    mgr.save(checkpoint_number=1)

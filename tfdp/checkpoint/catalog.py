@@ -112,7 +112,8 @@ class Catalog:
     if not abandoned and fs.exists(layout_lib.manifest_path(prefix)):
       raise errors.CheckpointError(
           f"Checkpoint {prefix} already exists; it is not overwritten. Save "
-          "under another number, or train into a new directory.")
+          "under another number, or train into a new directory (a save of the "
+          "step it holds returns it when the manager has a step_counter).")
     latest = self.newest()
     if latest is not None and layout_lib.number_of(prefix) < number_of(latest):
       # Retention and latest_checkpoint go by number: a lower one would be

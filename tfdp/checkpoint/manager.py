@@ -421,17 +421,16 @@ class CheckpointManager(local_face.LocalFace):
   def _saved_already(self, checkpoint_number, step):
     """The prefix of the newest checkpoint when `checkpoint_number` is its number and it holds this step; else None.
 
-    The step is the step counter's, or without one the step this manager
-    last saved or restored: the same state, not a checkpoint another run
-    left at that number.
+    The step is the step counter's: the same step is the same state. Without
+    a step counter nothing tells a repeat of the saved state from a changed
+    one at the same number, so the save is refused (catalog.check_new) rather
+    than a changed state dropped.
     """
-    if checkpoint_number is None:
+    if checkpoint_number is None or step is None:
       return None
     prefix = self._layout.prefix(_number(checkpoint_number))
     man = self._catalog.manifest(prefix) if prefix == self._catalog.newest() else None
-    if man is None:
-      return None
-    return prefix if man.step == (self._last_saved_step if step is None else step) else None
+    return prefix if man is not None and man.step == step else None
 
   def _next_number(self, checkpoint_number):
     """The number and prefix of the next checkpoint; increments save_counter once they are valid."""

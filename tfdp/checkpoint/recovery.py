@@ -131,6 +131,8 @@ def restore_newest(checkpoint, tier: local_lib.LocalTier | None, me: cluster.Wor
     found = tiered.run(restorer.newest_step(), before_restore)
     tried = tiered.tried
   found = found or restorer.newest_intact(before_restore, tried)
+  if found is not None:
+    restorer.settle()
   if tried and me.is_chief:
     logging.warning("tfdp: restore: tried %s; restored %s.", ", then ".join(tried),
                     f"{found.prefix} ({found.tier} tier)" if found else

@@ -274,6 +274,8 @@ class Restorer:
       status = self._restore_checked(prefix, man)
     except errors.CorruptCheckpointError as e:
       raise self.set_aside(prefix, e) from e
+    finally:
+      self.settle()
     return status, man
 
   def _restore_checked(self, prefix: str, man):
@@ -412,6 +414,10 @@ class Restorer:
     if self._initial is None:
       self._initial = InitialState(self._checkpoint)
     self.applied = True  # From here on the state may be changed, even if it fails.
+
+  def settle(self) -> None:
+    """Once a restore is done with: drops the state kept for `put_back` (it holds the old values' buffers)."""
+    self._initial, self.applied = None, False
 
   def put_back(self) -> bool:
     """After failed restores: gives the state the values it had before them; False when it cannot.
