@@ -149,6 +149,8 @@ def insider_frames(connect, canary):
       "done at 2^53-1": {"kind": "done", "from": 0, "step": 2 ** 53 - 1},
   }
   blobs = {"unexpected copy": [b"x", b"y"], "done at 2^53-1": [],
+           # A valid float32 scalar (tf.io.serialize_tensor(1.0)): only its step is wrong.
+           "a state at step 10^9": [b'\x08\x01\x12\x00"\x04\x00\x00\x80?'],
            # A TensorProto of dtype DT_VARIANT (field 1 = 21), at an old step.
            "a variant dtype": [b"\x08\x15"]}
   frames["a variant dtype"] = dict(good, step=1)
