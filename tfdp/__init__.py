@@ -48,7 +48,8 @@ __all__ = sorted(_PUBLIC)
 # tfdp-train's, which checks its flags first (they import no TensorFlow, or
 # only when asked), and tfdp.compat, which applies nothing by itself.
 _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
-                   "tfdp._version", "tfdp.checkpoint.layout", "tfdp.environment",
+                   "tfdp._version", "tfdp.checkpoint.layout", "tfdp.checkpoint.private",
+                   "tfdp.environment",
                    "tfdp.cli.ckpt", "tfdp.cli.train", "tfdp.strategy_kind", "tfdp.gradients")
 # Packages whose own (lazy) __init__ does not apply it; their other
 # submodules do.

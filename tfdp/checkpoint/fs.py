@@ -120,17 +120,7 @@ def makedirs(path: str) -> None:
   if not is_local(path):
     tf.io.gfile.makedirs(path)
     return
-  path = os.path.abspath(_local(path))
-  missing = []
-  while not os.path.isdir(path) and os.path.dirname(path) != path:
-    missing.append(path)
-    path = os.path.dirname(path)
-  for folder in reversed(missing):
-    try:
-      os.mkdir(folder, private.dir_mode())
-    except FileExistsError:
-      if not os.path.isdir(folder):
-        raise
+  private.make_dirs(_local(path))
 
 
 def make_private_dir(path: str) -> None:

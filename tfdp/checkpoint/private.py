@@ -150,6 +150,25 @@ def tier_dir(directory: str) -> str:
   return ensure_dir(directory, root if inside else os.path.dirname(directory))
 
 
+def make_dirs(path: str, mode: int | None = None) -> None:
+  """Makes local directory `path` and its missing parents, each with `mode` (default `dir_mode()`).
+
+  `os.makedirs` gives its mode to the last folder only: the parents would
+  follow the umask (0755), and a run directory made so is the backups' folder.
+  """
+  path = os.path.abspath(path)
+  missing = []
+  while not os.path.isdir(path) and os.path.dirname(path) != path:
+    missing.append(path)
+    path = os.path.dirname(path)
+  for folder in reversed(missing):
+    try:
+      os.mkdir(folder, dir_mode() if mode is None else mode)
+    except FileExistsError:
+      if not os.path.isdir(folder):
+        raise
+
+
 def open_file(path: str, flags: int, *, exclusive: bool = False) -> int:
   """`os.open` of a tier's file: never through a symlink, created with `file_mode()` (O_EXCL with `exclusive`)."""
   flags |= os.O_NOFOLLOW | os.O_CLOEXEC

@@ -12,6 +12,7 @@ import zlib
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from tfdp.checkpoint import layout
+from tfdp.checkpoint import private
 
 # A progress file is 64 bytes that its worker maps into memory. A step is two
 # stores into that mapping (the step and its time): no system call, and the
@@ -156,18 +157,7 @@ class Ledger:
 
   def __init__(self, folder: str):
     self.folder = folder
-    # Every folder it makes is 0700: os.makedirs gives its mode to the last one only,
-    # and a run directory made here is the backups' folder too.
-    missing = []
-    path = os.path.abspath(folder)
-    while not os.path.isdir(path) and path != os.path.dirname(path):
-      missing.append(path)
-      path = os.path.dirname(path)
-    for path in reversed(missing):
-      try:
-        os.mkdir(path, 0o700)
-      except FileExistsError:
-        pass
+    private.make_dirs(folder, 0o700)  # Every folder it makes: a run directory made here holds the backups.
 
   @classmethod
   def of(cls, directory: Optional[str], fallback: Optional[str] = None) -> Optional["Ledger"]:
