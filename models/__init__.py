@@ -78,7 +78,7 @@ class ModelSpec:
     task: the kind of data: image_classification, masked_lm, recommendation.
     options: TrainConfig fields passed to `build` by name (e.g. bert_config).
     image_size: default side of synthetic images (image models).
-    optimizer: default optimizer (sgd, adamw, adam) for `tfdp.optim`.
+    optimizer: default optimizer (sgd, adamw, adam) for `tfdp.app.optim`.
     learning_rate: default peak learning rate.
     scale_learning_rate: the default is per 256 examples and scales linearly
       with the global batch (Goyal et al.).

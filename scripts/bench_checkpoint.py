@@ -41,7 +41,7 @@ def _worker():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   from tfdp.checkpoint import CheckpointManager  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
 
   n = int(os.environ.get("TFDP_NUM_WORKERS", "1"))
   strategy = (tf.distribute.MultiWorkerMirroredStrategy() if n > 1

@@ -176,7 +176,7 @@ class StopAfterOne:
 def _state():
   """Iterator-state bytes after 100 steps: no strategy and Mirrored, with and without symbolic."""
   import tfdp  # pylint: disable=g-import-not-at-top
-  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   strategy_lib.configure_cpu_replicas(2)
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   out = {}

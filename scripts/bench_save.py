@@ -100,7 +100,7 @@ class _Position:
 
   def __init__(self):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from tfdp import iterators  # pylint: disable=g-import-not-at-top
+    from tfdp.data import iterators  # pylint: disable=g-import-not-at-top
     ds = (tf.data.Dataset.range(10**9).map(lambda i: (tf.cast(i, tf.float32), i))
           .shuffle(FLAGS.shuffle, seed=1).batch(32))
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])  # A tf.distribute iterator, as fit's.
@@ -163,7 +163,7 @@ def _measure(kind, mb, base):
   shmem = _status("RssShmem")
   peak = _status() - rss0 + shmem
   if kind == "local":
-    from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+    from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
     state_bytes = manifest_lib.read_manifest(mgr.local_checkpoints()[-1]).state_bytes
   mgr.close()
   shutil.rmtree(work, ignore_errors=True)

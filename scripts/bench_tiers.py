@@ -248,7 +248,7 @@ def _restore_child():
   """
   stamps = {"start": float(os.environ["BENCH_T0"])}
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import restore_phases  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.local import phases as restore_phases  # pylint: disable=g-import-not-at-top
   strategy = _strategy()
   variables, step = _state(strategy, FLAGS.mb)
   mgr = _manager(variables, step, strategy, FLAGS.work, local=FLAGS.variant != "persistent")
@@ -303,8 +303,8 @@ def _floors(prefix):
   """
   import google_crc32c  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import slots  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.local import slots  # pylint: disable=g-import-not-at-top
   record = manifest_lib.read_manifest(prefix).slot
   path = os.path.join(os.path.dirname(prefix), record.name)
   out = {}
@@ -520,7 +520,7 @@ def _restore_row(samples, **row):
   return row
 
 
-# Phases of a restore call on the restoring thread (tfdp.checkpoint.restore_phases),
+# Phases of a restore call on the restoring thread (tfdp.checkpoint.local.phases),
 # in order; allocate, recv and land_check run inside `wait` on the side
 # channel's thread.
 _PHASES = ("held", "agree", "index", "before_restore", "map", "check", "views", "plan",

@@ -623,7 +623,7 @@ def _core_ceiling(iterations):
 
 def _default_bytes_per_pack():
   """make_strategy's bytes_per_pack when given none, for ring collectives between CPU workers."""
-  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
   pack = inspect.signature(strategy_lib.make_strategy).parameters["bytes_per_pack"].default
   if pack is None:

@@ -71,7 +71,7 @@ def _measure(variant, args):
   """In this process: fit 10 steps with backups every 5; returns what the newest backup holds."""
   import keras  # pylint: disable=g-import-not-at-top
   import tfdp  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import manifest  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import manifest  # pylint: disable=g-import-not-at-top
   ds = _pipeline(variant, args.images, args.side, args.buffer)
   model = keras.Sequential([keras.Input((args.side, args.side, 3)),
                             keras.layers.Conv2D(8, 3, strides=2), keras.layers.GlobalAveragePooling2D(),

@@ -106,7 +106,7 @@ def write_text(data_dir: str, *, num_examples: int = 512, vocab_size: int = 400,
     The dataset's TFDS builder.
   """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  from tfdp import text  # pylint: disable=g-import-not-at-top
+  from tfdp.datasets import tokenizer as text  # pylint: disable=g-import-not-at-top
   docs = corpus(num_examples, seed)
   raw = os.path.join(data_dir, "tfdp_text_corpus")
   os.makedirs(raw, exist_ok=True)

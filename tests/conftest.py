@@ -48,7 +48,7 @@ WORKERS = os.path.join(REPO, "tests", "workers")
 def pytest_configure(config):
   # In-process tests mirror over 2 logical CPUs; this must happen before TF
   # initialises its devices, i.e. before any test creates a tensor.
-  from tfdp import strategy  # pylint: disable=g-import-not-at-top
+  from tfdp.distribute import strategy  # pylint: disable=g-import-not-at-top
   strategy.configure_cpu_replicas(2)
 
 

@@ -68,7 +68,7 @@ def test_no_import_runs_back_up_to_a_package_above():
   back = sorted((m, t) for m, targets in edges.items() for t in targets if m.startswith(t + "."))
   assert not back, back
   # The checker sees imports at all: the manager imports its own package's modules.
-  assert "tfdp.checkpoint.catalog" in edges["tfdp.checkpoint.manager"]
+  assert "tfdp.checkpoint.persistent.catalog" in edges["tfdp.checkpoint.manager"]
 
 
 def test_the_save_protocol_fits_on_one_screen():

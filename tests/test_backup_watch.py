@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp import backup_watch
+from tfdp.callbacks import backup_watch
 from tfdp import callbacks
 from tfdp import cluster
 from tfdp import errors
-from tfdp.checkpoint import cadence
+from tfdp.checkpoint.local import cadence
 
 
 def test_a_backup_dir_it_cannot_write_is_one_config_error_when_the_callback_is_built(tmp_path):

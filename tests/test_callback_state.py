@@ -1,9 +1,9 @@
-"""tfdp.callback_state: the hook for users' callbacks, and what it keeps of Keras's own."""
+"""tfdp.resume.callback_state: the hook for users' callbacks, and what it keeps of Keras's own."""
 
 import keras
 import numpy as np
 
-from tfdp import callback_state
+from tfdp.resume import callback_state
 
 
 class Mine(keras.callbacks.Callback):

@@ -18,10 +18,10 @@ import tensorflow as tf
 from tfdp import errors
 from tfdp import launch
 from tfdp.checkpoint import CheckpointManager
-from tfdp.checkpoint import manifest as manifest_lib
-from tfdp.checkpoint import retention
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import planner
+from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.persistent import retention
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format import planner
 from tfdp.cli import ckpt as ckpt_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfdp
-from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.cli import ckpt
 from tests.conftest import REPO, users_environ
 

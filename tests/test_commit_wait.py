@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdp import errors
 from tfdp.checkpoint import CheckpointManager
-from tfdp.checkpoint import storage
+from tfdp.checkpoint.persistent import writer as storage
 
 
 def _two_workers(tmp_path):

@@ -15,7 +15,7 @@ import keras
 from tfdp import compat
 from tfdp import errors
 from tfdp import launch
-from tfdp import strategy as tfdp_strategy
+from tfdp.distribute import strategy as tfdp_strategy
 from tfdp.compat import strategy_fixes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

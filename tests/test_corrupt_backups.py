@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import launch_workers
-from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint.format import layout as layout_lib
 
 WORKER = "tests/workers/corrupt_fit.py"
 NEWEST, OLDER = "ckpt-9", "ckpt-6"

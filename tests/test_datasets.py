@@ -1,4 +1,4 @@
-"""Tests of tfdp.datasets, tfdp.text and scripts/make_dataset.py: TFDS from local disk, masks, file sharding, no network."""
+"""Tests of tfdp.datasets, tfdp.datasets.tokenizer and scripts/make_dataset.py: TFDS from local disk, masks, file sharding, no network."""
 
 import os
 import socket
@@ -14,7 +14,7 @@ from tests.conftest import REPO, launch_workers, run_all
 from tfdp import data
 from tfdp import datasets
 from tfdp import errors
-from tfdp import text
+from tfdp.datasets import tokenizer as text
 
 MAKE = [sys.executable, os.path.join(REPO, "scripts", "make_dataset.py")]
 N = 256

@@ -11,8 +11,8 @@ import tensorflow as tf
 
 from tfdp import callbacks
 from tfdp import errors
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format import manifest as manifest_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X = np.random.RandomState(0).normal(size=(64, 512)).astype("float32")

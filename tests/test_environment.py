@@ -1,8 +1,8 @@
-"""Tests of tfdp.environment: TF_CONFIG parsing, chief and worker numbering, the unchecked read for error paths."""
+"""Tests of tfdp.distribute.environment: TF_CONFIG parsing, chief and worker numbering, the unchecked read for error paths."""
 
 import json
 
-from tfdp import environment
+from tfdp.distribute import environment
 
 
 def _tf_config(workers, index):

@@ -12,7 +12,7 @@ import tensorflow as tf
 import models
 from tfdp import datasets
 from tfdp import errors
-from tfdp import trainer
+from tfdp.app import trainer
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import models
 from tfdp import cluster
 from tfdp import errors
 from tfdp import export
-from tfdp import optim
-from tfdp import strategy as strategy_lib
-from tfdp import trainer
+from tfdp.app import optim
+from tfdp.distribute import strategy as strategy_lib
+from tfdp.app import trainer
 
 # Loads .keras files and predicts, in a process that imports neither tfdp nor
 # models (it runs from another folder, without the repo on its path). One

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp import errors
-from tfdp import state as state_lib
+from tfdp.resume import train_state as state_lib
 from tfdp.checkpoint import CheckpointManager
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tfdp import errors
-from tfdp import heartbeat
+from tfdp.liveness import heartbeat
 from tfdp import launch
 from tfdp.checkpoint import faults
 from tests import shared
@@ -172,7 +172,7 @@ def _slurm_env(monkeypatch, procid, port):
 
 
 def test_a_slurm_step_resolves_to_a_cluster_without_tf_config(monkeypatch):
-  from tfdp import environment  # pylint: disable=g-import-not-at-top
+  from tfdp.distribute import environment  # pylint: disable=g-import-not-at-top
   _slurm_env(monkeypatch, 2, 9100)
   resolver, config = environment.resolve_cluster("auto")
   assert resolver is not None

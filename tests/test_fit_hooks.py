@@ -1,9 +1,9 @@
-"""tfdp.fit_hooks in one process: who prints under multi-worker, and the order of the callbacks."""
+"""tfdp.resume.fit_hooks in one process: who prints under multi-worker, and the order of the callbacks."""
 
 import keras
 import numpy as np
 
-from tfdp import fit_hooks
+from tfdp.resume import fit_hooks
 
 X = np.zeros((16, 3), "float32")
 

@@ -1,4 +1,4 @@
-"""Tests of the gradient path (tfdp.compat's gradient_path, tfdp.compat.buckets, tfdp.gradients).
+"""Tests of the gradient path (tfdp.compat's gradient_path, tfdp.gradients.buckets, tfdp.gradients).
 
 In process: the user's own MirroredStrategy over 2 logical CPUs against its
 single-device twin on the same global batches (clipping, loss scaling,
@@ -24,10 +24,10 @@ import tensorflow as tf
 
 from tfdp import compat
 from tfdp import errors
-from tfdp import gradients
+from tfdp.gradients import settings as gradients
 from tfdp import launch
-from tfdp import stall
-from tfdp.compat import buckets
+from tfdp.liveness import stall
+from tfdp.gradients import buckets
 from tests import shared
 from tests.conftest import REPO, WORKERS
 from tests.shared import shared_run
@@ -67,7 +67,7 @@ def test_settings_are_checked_and_make_strategy_sets_them():
     gradients.configure_gradients(timeout_seconds=0)
   assert gradients.configure_gradients(compression="none").compression is None
   assert gradients.current().timeout_seconds == gradients.DEFAULT_TIMEOUT_SECONDS
-  from tfdp import strategy as tfdp_strategy  # pylint: disable=g-import-not-at-top
+  from tfdp.distribute import strategy as tfdp_strategy  # pylint: disable=g-import-not-at-top
   tfdp_strategy.make_strategy("default", gradient_compression="bf16", timeout_seconds=30)
   assert gradients.current().compression == "bf16"
   assert gradients.current().timeout_seconds == 30
@@ -397,9 +397,9 @@ def test_a_stuck_collective_fails_the_worker_with_one_line(gradient_runs):
 
 def test_a_loss_scale_optimizer_is_saved_with_the_scale_and_the_inner_step(tmp_path):
   # A LossScaleOptimizer and its inner optimizer both have an `iteration`:
-  # the inner one is the global step (tfdp.state.ITERATIONS_KEY), the
+  # the inner one is the global step (tfdp.resume.train_state.ITERATIONS_KEY), the
   # wrapper's own variables keep their full path.
-  from tfdp import state as state_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.resume import train_state as state_lib  # pylint: disable=g-import-not-at-top
   x, y = _data(rows=BATCH)
   model = _fit(tf.distribute.get_strategy(), lambda: keras.optimizers.SGD(0.01), x, y,
                policy="mixed_float16")

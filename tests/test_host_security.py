@@ -20,10 +20,10 @@ import pytest
 from tests import tier_runs
 from tests.conftest import launch_workers
 from tfdp import errors
-from tfdp.checkpoint import fs
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import private
-from tfdp.checkpoint import slots
+from tfdp.checkpoint.format import fs
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format import private
+from tfdp.checkpoint.local import slots
 
 STRANGER = "tfdp-stranger"
 # Her Python: the system's (she cannot be expected to read a checkout's venv).

@@ -13,10 +13,10 @@ import tensorflow as tf
 
 from tfdp import callbacks
 from tfdp import errors
-from tfdp import fit_hooks
-from tfdp import iterators
-from tfdp import iterator_state
-from tfdp import strategy as strategy_lib  # `strategy` is this file's fixture
+from tfdp.resume import fit_hooks
+from tfdp.data import iterators
+from tfdp.data import iterator_state
+from tfdp.distribute import strategy as strategy_lib  # `strategy` is this file's fixture
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp import iterators
+from tfdp.data import iterators
 from tests import shared
 from tests.conftest import REPO, WORKERS
 from tests.shared import shared_run

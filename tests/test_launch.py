@@ -232,11 +232,11 @@ def test_hosts_and_wrapper_place_each_worker(tmp_path):
 
 
 def test_exit_codes_match_the_workers_modules():
-  from tfdp import heartbeat  # pylint: disable=g-import-not-at-top
+  from tfdp.liveness import heartbeat  # pylint: disable=g-import-not-at-top
   from tfdp import preemption  # pylint: disable=g-import-not-at-top
   assert launch.EXIT_PREEMPTED == preemption.EXIT_PREEMPTED
   assert launch.EXIT_PEER_LOST == heartbeat.EXIT_PEER_LOST
-  from tfdp import stall  # pylint: disable=g-import-not-at-top
+  from tfdp.liveness import stall  # pylint: disable=g-import-not-at-top
   assert launch.EXIT_COLLECTIVE_TIMEOUT == stall.EXIT_COLLECTIVE_TIMEOUT
   assert launch.ENV_HEARTBEAT_FILE == heartbeat.ENV_HEARTBEAT_FILE
 

@@ -2,9 +2,9 @@
 
 import os
 
-from tfdp.checkpoint import catalog
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint.layout import Layout
+from tfdp.checkpoint.persistent import catalog
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format.layout import Layout
 
 
 def test_names_of_a_checkpoint():
@@ -54,7 +54,7 @@ def test_scan_and_files_of(tmp_path):
 
 def test_cleanup_removes_what_a_killed_tf_write_left_in_a_local_tier(tmp_path):
   """TF's SaveV2 writes `<file>.tempstate<N>` then renames it: a SIGKILL mid-write leaves one."""
-  from tfdp.checkpoint import storage  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.persistent import writer as storage  # pylint: disable=g-import-not-at-top
   names = ["ckpt-30.data-00000-of-00001.tempstate1828745764989108356", "ckpt-29.index",
            "ckpt-29.data-00000-of-00001", "ckpt-29.manifest.json"]
   for name in names:

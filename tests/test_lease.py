@@ -16,8 +16,8 @@ from tests.conftest import launch_workers
 from tests.shared import shared_run
 from tfdp import errors
 from tfdp.checkpoint import CheckpointManager
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import lease as lease_lib
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.persistent import lease as lease_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = """

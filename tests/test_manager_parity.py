@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdp import errors
 from tfdp.checkpoint import CheckpointManager
-from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint.format import layout as layout_lib
 
 KINDS = ["tf", "tfdp"]
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from tfdp import errors
-from tfdp.checkpoint import manifest as manifest_lib
-from tfdp.checkpoint.manifest import FileRecord, Manifest
+from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.format.manifest import FileRecord, Manifest
 
 
 def test_round_trip():

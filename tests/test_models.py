@@ -1,4 +1,4 @@
-"""Tests of models/ and tfdp.optim: every model trains under MirroredStrategy and 2-worker MWMS; losses fall; the recipe's pieces."""
+"""Tests of models/ and tfdp.app.optim: every model trains under MirroredStrategy and 2-worker MWMS; losses fall; the recipe's pieces."""
 
 import json
 import sys
@@ -13,8 +13,8 @@ from models import bert
 from tests.conftest import launch_workers
 from tests.workers import models_worker
 from tfdp import errors
-from tfdp import optim
-from tfdp import strategy as S
+from tfdp.app import optim
+from tfdp.distribute import strategy as S
 
 
 @pytest.fixture(scope="module")

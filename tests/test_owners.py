@@ -13,9 +13,9 @@ import tfdp
 from tfdp import callbacks
 from tfdp import data
 from tfdp import errors
-from tfdp import training
+from tfdp.callbacks import fit as training
 from tfdp.checkpoint import faults
-from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint.format import layout as layout_lib
 
 X = np.random.RandomState(0).normal(size=(40, 4)).astype("float32")
 Y = X.sum(axis=1, keepdims=True)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tfdp.checkpoint import planner
-from tfdp.checkpoint.planner import Item
+from tfdp.checkpoint.format import planner
+from tfdp.checkpoint.format.planner import Item
 
 
 def _items(sizes):

@@ -4,7 +4,7 @@ import pytest
 
 from tfdp import errors
 from tfdp.checkpoint import policy as p
-from tfdp.checkpoint import retention as r
+from tfdp.checkpoint.persistent import retention as r
 
 
 def _ctx(step, previous=None, last=None, **when):

@@ -10,8 +10,8 @@ import pytest
 
 from tests import tier_runs
 from tfdp import goodput
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import wire
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.local import wire
 
 
 def _peer_threads():

@@ -6,14 +6,14 @@ import tensorflow as tf
 from tests.test_slots import VALUES, _same
 from tests.test_tiers import _send
 from tfdp import cluster
-from tfdp.checkpoint import copies
-from tfdp.checkpoint import items as items_lib
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import local as local_lib
-from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint.local import copies
+from tfdp.checkpoint.format import items as items_lib
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.local import tier as local_lib
+from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint import recovery
-from tfdp.checkpoint import restore_phases
-from tfdp.checkpoint import slots
+from tfdp.checkpoint.local import phases as restore_phases
+from tfdp.checkpoint.local import slots
 
 
 class _Link:

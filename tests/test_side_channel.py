@@ -24,12 +24,12 @@ from tests.conftest import WORKERS
 from tests.conftest import launch_workers
 from tests.test_fit_data_position import two_worker_reference_runs  # pylint: disable=unused-import
 from tests.tier_runs import replaced_host_job  # pylint: disable=unused-import
-from tfdp.checkpoint import channel
-from tfdp.checkpoint import copies
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import peers
-from tfdp.checkpoint import slots
-from tfdp.checkpoint import wire
+from tfdp.checkpoint.local import channel
+from tfdp.checkpoint.local import copies
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.local import peers
+from tfdp.checkpoint.local import slots
+from tfdp.checkpoint.local import wire
 
 sys.path.insert(0, WORKERS)
 import ft_stranger  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 from tests import shared
 from tests.conftest import REPO
-from tfdp.checkpoint import bundle
-from tfdp.checkpoint import slots
+from tfdp.checkpoint.local import bundle
+from tfdp.checkpoint.local import slots
 
 VALUES = {
     "f32": tf.constant([-0.0, 0.0, 1.5, np.nan, -np.inf], tf.float32),
@@ -128,7 +128,7 @@ def test_bytes_received_from_a_socket_are_checked_as_they_land(tmp_path):
 
 
 def test_records_of_any_shape_that_do_not_describe_the_bytes_are_refused():
-  from tfdp.checkpoint.manifest import SlotTensor  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format.manifest import SlotTensor  # pylint: disable=g-import-not-at-top
   good = SlotTensor("a", "float32", [2], 0, 8, 0)
   slots.check_entries([good], 8)
   for bad in (dict(dtype="resource"), dict(dtype=None), dict(shape=[3]), dict(shape="2"),
@@ -194,7 +194,7 @@ def test_a_writer_killed_in_the_middle_of_a_fill_leaves_the_other_slot_to_restor
 
 def test_device_tensors_go_to_host_buffers_reused_by_every_save():
   """The GPU path's mechanism, run on CPU: one host variable per tensor, assigned at each save (no GPU here)."""
-  from tfdp.checkpoint import items as items_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import items as items_lib  # pylint: disable=g-import-not-at-top
   mirrors = items_lib.HostMirrors()
   with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():  # A plain variable all the same.
     first = mirrors(("k", ""), tf.constant([1.0, 2.0]))

@@ -1,4 +1,4 @@
-"""tfdp.startup: a worker whose peers have not started names them, and Ctrl-C, SIGTERM and a deadline end its wait."""
+"""tfdp.distribute.startup: a worker whose peers have not started names them, and Ctrl-C, SIGTERM and a deadline end its wait."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import pytest
 from tests import shared
 from tests.conftest import REPO
 from tfdp import errors
-from tfdp import startup
+from tfdp.distribute import startup
 from tfdp.launch import free_ports
 
 

@@ -1,4 +1,4 @@
-"""Tests of tfdp.strategy: the pure choice of kind (every branch and error), each builder, each bad input, multi-worker cpu_replicas."""
+"""Tests of tfdp.distribute.strategy: the pure choice of kind (every branch and error), each builder, each bad input, multi-worker cpu_replicas."""
 
 import json
 
@@ -8,7 +8,7 @@ import tensorflow as tf
 from tests import identity_run
 from tfdp import cluster
 from tfdp import errors
-from tfdp import strategy as S
+from tfdp.distribute import strategy as S
 
 
 def _tf_config(n=2, index=0):

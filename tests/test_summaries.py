@@ -118,7 +118,7 @@ def test_model_keras_loads_in_plain_keras_and_predicts_as_the_final_checkpoint(r
 
 def test_the_run_config_names_the_model_for_a_keras_export(runs):
   from tfdp import export  # pylint: disable=g-import-not-at-top
-  from tfdp import state  # pylint: disable=g-import-not-at-top
+  from tfdp.resume import train_state as state  # pylint: disable=g-import-not-at-top
   config = state.read_run_config(os.path.join(runs["model_dir"], "ckpt-24"))
   assert config["model"] == "cnn" and config["dtype_policy"] == "float32"
   assert config["model_kwargs"] == {"input_shape": [32, 32, 3], "num_classes": 10}

@@ -14,17 +14,17 @@ import tensorflow as tf
 import tfdp
 from tfdp import cluster
 from tfdp import errors
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import items as items_lib
-from tfdp.checkpoint import local as local_lib
-from tfdp.checkpoint import manifest as manifest_lib
-from tfdp.checkpoint import copies
-from tfdp.checkpoint import generations
-from tfdp.checkpoint import planner
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format import items as items_lib
+from tfdp.checkpoint.local import tier as local_lib
+from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.local import copies
+from tfdp.checkpoint.local import generations
+from tfdp.checkpoint.format import planner
 from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint import recovery
-from tfdp.checkpoint import storage
-from tfdp.checkpoint import wire
+from tfdp.checkpoint.persistent import writer as storage
+from tfdp.checkpoint.local import wire
 
 
 def _row(persistent, *held, kept=(), no_peer=False, link=True):
@@ -562,7 +562,7 @@ def test_a_copy_received_at_a_restore_never_lands_on_the_step_it_falls_back_to(t
   The bytes of 6 go over 4: 2, what every worker falls back to, is intact.
   """
   from tests import tier_runs  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import slots  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.local import slots  # pylint: disable=g-import-not-at-top
   rows = [_row(None, (6, 0), (2, 0)), _row(None, (4, 0), (2, 0))]
   assert recovery.choose(rows) == recovery.Choice("peer", 6, (0,))
   assert recovery.fallback(rows, 6) == 2 and recovery.fallback(rows, 2) is None

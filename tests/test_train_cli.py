@@ -207,6 +207,6 @@ def test_bad_tf_config_gives_a_clear_error(refused_runs):
 ])
 def test_local_tier_flags_are_checked_before_anything_starts(fields, message):
   from tfdp import errors  # pylint: disable=g-import-not-at-top
-  from tfdp.trainer import TrainConfig  # pylint: disable=g-import-not-at-top
+  from tfdp.app.trainer import TrainConfig  # pylint: disable=g-import-not-at-top
   with pytest.raises(errors.ConfigError, match=message):
     TrainConfig(**fields).validate()

@@ -1,4 +1,4 @@
-"""Tests of tfdp.training: the fit plan, and 2 mirrored replicas == 1 device on the same batches."""
+"""Tests of tfdp.callbacks.fit: the fit plan, and 2 mirrored replicas == 1 device on the same batches."""
 
 import keras
 import numpy as np
@@ -7,9 +7,9 @@ import tensorflow as tf
 
 from models import cnn
 from tfdp import data
-from tfdp import strategy as S
-from tfdp import training
-from tfdp.training import Segment
+from tfdp.distribute import strategy as S
+from tfdp.callbacks import fit as training
+from tfdp.callbacks.fit import Segment
 
 
 @pytest.mark.parametrize("start, total, spe, expected", [

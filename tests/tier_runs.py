@@ -82,8 +82,8 @@ def linked_tiers(root, secret=None):
   ports) is given here instead. Returns (tiers, secret).
   """
   from tfdp import cluster  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import layout as layout_lib  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import local as local_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import layout as layout_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.local import tier as local_lib  # pylint: disable=g-import-not-at-top
   secret = secret or os.urandom(32)
   addresses = ("localhost:1", "localhost:2")
   tiers = []
@@ -102,9 +102,9 @@ def linked_tiers(root, secret=None):
 def save_local(tier, step, position=b"position", wait=True):
   """A local save of a tiny state and `tier`'s per-worker data position at `step`; waits for it (with `wait`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import layout as layout_lib  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import planner  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import layout as layout_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import planner  # pylint: disable=g-import-not-at-top
   items = [planner.Item("v", "", tf.constant([float(step)] * 4), 16),
            planner.Item(layout_lib.per_worker_prefix(tier.worker) + "data", "",
                         tf.constant(position), 0)]

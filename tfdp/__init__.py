@@ -27,16 +27,16 @@ from tfdp._version import __version__
 # Public name -> the module that defines it (None: the name is a submodule).
 _PUBLIC = {
     "CheckpointManager": "tfdp.checkpoint",
-    "TrainState": "tfdp.state",
+    "TrainState": "tfdp.resume.train_state",
     "callbacks": None,
     "cluster": None,
-    "configure_gradients": "tfdp.gradients",
+    "configure_gradients": "tfdp.gradients.settings",
     "data": None,
     "errors": None,
     "export": None,
-    "fit": "tfdp.training",
+    "fit": "tfdp.callbacks.fit",
     "goodput": None,
-    "make_strategy": "tfdp.strategy",
+    "make_strategy": "tfdp.distribute.strategy",
     "preemption": None,
     "summaries": None,
 }
@@ -48,21 +48,27 @@ __all__ = sorted(_PUBLIC)
 # tfdp-train's, which checks its flags first (they import no TensorFlow, or
 # only when asked), and tfdp.compat, which applies nothing by itself.
 _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
-                   "tfdp._version", "tfdp.checkpoint.layout", "tfdp.checkpoint.private",
-                   "tfdp.environment",
-                   "tfdp.cli.ckpt", "tfdp.cli.train", "tfdp.strategy_kind", "tfdp.gradients")
+                   "tfdp._version", "tfdp.checkpoint.format.layout", "tfdp.checkpoint.format.private",
+                   "tfdp.distribute.environment",
+                   "tfdp.cli.ckpt", "tfdp.cli.train", "tfdp.distribute.kinds", "tfdp.gradients.settings")
 # Packages whose own (lazy) __init__ does not apply it; their other
 # submodules do.
-_WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint", "tfdp.cli")
+_WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint", "tfdp.cli", "tfdp.checkpoint.format",
+                         "tfdp.checkpoint.persistent", "tfdp.checkpoint.local", "tfdp.distribute",
+                         "tfdp.gradients", "tfdp.liveness", "tfdp.resume", "tfdp.app")
 
 if TYPE_CHECKING:
   # pylint: disable=g-import-not-at-top,g-bad-import-order
-  from tfdp import callbacks, cluster, data, errors, export, goodput, preemption, summaries
+  from tfdp import callbacks, data, errors, goodput
+  from tfdp.distribute import cluster
+  from tfdp.app import export
+  from tfdp.liveness import preemption
+  from tfdp.app import summaries
   from tfdp.checkpoint import CheckpointManager
-  from tfdp.gradients import configure_gradients
-  from tfdp.state import TrainState
-  from tfdp.strategy import make_strategy
-  from tfdp.training import fit
+  from tfdp.gradients.settings import configure_gradients
+  from tfdp.resume.train_state import TrainState
+  from tfdp.distribute.strategy import make_strategy
+  from tfdp.callbacks.fit import fit
 
 
 def _needs_compat(name):

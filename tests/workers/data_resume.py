@@ -121,7 +121,7 @@ class KillAt(keras.callbacks.Callback):
       # A moment later: the background local save of the step before has landed.
       time.sleep(float(setting("TFDP_TEST_KILL_DELAY", self.mode) or "0"))
       if os.environ.get("TFDP_TEST_WIPE_LOCAL") == "1":  # this host's RAM tier is gone
-        from tfdp.checkpoint import layout  # pylint: disable=g-import-not-at-top
+        from tfdp.checkpoint.format import layout  # pylint: disable=g-import-not-at-top
         shutil.rmtree(layout.local_worker_dir(layout.default_local_root(self.backup_dir),
                                               self.worker))
       os.kill(os.getpid(), signal.SIGKILL)

@@ -80,7 +80,7 @@ def _check_tier(backup, step):
 
 
 def _wrap_batch_end():
-  from tfdp import backup as backup_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.callbacks import backup as backup_lib  # pylint: disable=g-import-not-at-top
   original = backup_lib.BackupAndRestore.on_train_batch_end
   state = {"checked": False}
   noisy = os.environ.get("FT_NONDETERMINISTIC") == "1"
@@ -140,7 +140,7 @@ def _wrap_batch_end():
 
 def _faults():
   from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import peers  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.local import peers  # pylint: disable=g-import-not-at-top
   start = os.environ.get("FT_HOLDER_KILL_FROM")
   if start is not None and ATTEMPT >= int(start):
     def hook(phase, worker):

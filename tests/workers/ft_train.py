@@ -34,7 +34,7 @@ def _wipe(what, me):
 
 def _watch_steps(attempt, me, kill_step=None, wipe=None):
   """Wraps BackupAndRestore's batch end: records the steps, SIGKILLs at `kill_step`."""
-  from tfdp import backup  # pylint: disable=g-import-not-at-top
+  from tfdp.callbacks import backup  # pylint: disable=g-import-not-at-top
   folder = os.environ.get("FT_REACHED_DIR")
   fd = None
   if folder:

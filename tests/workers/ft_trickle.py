@@ -18,8 +18,8 @@ import ft_stranger  # tests/workers/
 
 
 def _wrap_train():
-  from tfdp import backup as backup_lib  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import peers  # pylint: disable=g-import-not-at-top
+  from tfdp.callbacks import backup as backup_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.local import peers  # pylint: disable=g-import-not-at-top
   begin, end = backup_lib.BackupAndRestore.on_train_begin, backup_lib.BackupAndRestore.on_train_end
   held = {}
 

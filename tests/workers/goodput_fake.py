@@ -7,7 +7,7 @@ its heartbeat file (when tfdp-launch gives one) at every BEAT_EVERY-th step,
 and, in a run that restored nothing, stops at step KILL_AT: once every
 worker has reached it (a step is collective) the chief SIGKILLs itself
 there, and the others wait as in a collective that the chief never joins.
-BEAT_EVERY > 1 stands for tfdp.heartbeat.Heartbeat's 4 beats a second over
+BEAT_EVERY > 1 stands for tfdp.liveness.heartbeat.Heartbeat's 4 beats a second over
 fast steps. Every worker keeps a tfdp.goodput.Recorder (the
 chief records); at the end the chief prints whether TensorFlow was loaded.
 Without tfdp-launch it runs as the chief of one worker.

@@ -8,9 +8,9 @@ import keras
 import tensorflow as tf
 
 from tfdp import cluster
-from tfdp import environment
+from tfdp.distribute import environment
 from tfdp import errors
-from tfdp import strategy as strategy_lib
+from tfdp.distribute import strategy as strategy_lib
 
 
 def strategy_part(s):

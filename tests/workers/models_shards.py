@@ -14,7 +14,7 @@ def main():
   import models  # pylint: disable=g-import-not-at-top
   from tfdp import cluster  # pylint: disable=g-import-not-at-top
   from tfdp import datasets  # pylint: disable=g-import-not-at-top
-  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   strategy = strategy_lib.make_strategy("multi_worker")
   me = cluster.resolve(strategy)
   worker, workers = me.index, me.count

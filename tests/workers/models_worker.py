@@ -20,7 +20,7 @@ CASES = {
 
 
 def train(strategy, name, train_steps, run_eagerly=False, **overrides):
-  """Builds, compiles and fits CASES[name] (`name+bf16`: mixed precision) as tfdp.trainer does.
+  """Builds, compiles and fits CASES[name] (`name+bf16`: mixed precision) as tfdp.app.trainer does.
 
   One strategy serves every model: a process can hold only one
   MultiWorkerMirroredStrategy safely (a second one reuses collective
@@ -31,8 +31,8 @@ def train(strategy, name, train_steps, run_eagerly=False, **overrides):
   """
   import models  # pylint: disable=g-import-not-at-top
   from tfdp import cluster  # pylint: disable=g-import-not-at-top
-  from tfdp import trainer  # pylint: disable=g-import-not-at-top
-  from tfdp import training  # pylint: disable=g-import-not-at-top
+  from tfdp.app import trainer  # pylint: disable=g-import-not-at-top
+  from tfdp.callbacks import fit as training  # pylint: disable=g-import-not-at-top
   model_name = name.split("+")[0]
   config = trainer.TrainConfig(model=model_name, train_steps=train_steps,
                                mixed_precision=name.endswith("+bf16"),
@@ -61,7 +61,7 @@ def train(strategy, name, train_steps, run_eagerly=False, **overrides):
 
 
 def main():
-  from tfdp import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.distribute import strategy as strategy_lib  # pylint: disable=g-import-not-at-top
   names = sys.argv[1].split(",")
   steps = int(sys.argv[2])
   strategy = strategy_lib.make_strategy("multi_worker")

@@ -1,6 +1,6 @@
 """Sharded, atomic, verified, optionally asynchronous checkpoints across workers.
 
-Lazy, as the `tfdp` package: `tfdp.checkpoint.layout` (every file name, no
+Lazy, as the `tfdp` package: `tfdp.checkpoint.format.layout` (every file name, no
 TensorFlow) can be imported by the launcher; the public names load on use.
 """
 
@@ -9,9 +9,9 @@ import importlib
 # Public name -> the module that defines it.
 _PUBLIC = {
     "CheckpointManager": "tfdp.checkpoint.manager",
-    "KeepBest": "tfdp.checkpoint.retention",
+    "KeepBest": "tfdp.checkpoint.persistent.retention",
     "load_per_worker": "tfdp.checkpoint.restore",
-    "verify": "tfdp.checkpoint.manifest",
+    "verify": "tfdp.checkpoint.format.manifest",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -7,24 +7,24 @@ import warnings
 from absl import logging
 import tensorflow as tf
 
-from tfdp import cluster
+from tfdp.distribute import cluster
 from tfdp import errors
 from tfdp.checkpoint import async_writer
-from tfdp.checkpoint import catalog as catalog_lib
-from tfdp.checkpoint import fs
-from tfdp.checkpoint import items as items_lib
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import lease as lease_lib
-from tfdp.checkpoint import local as local_lib
-from tfdp.checkpoint import local_face
-from tfdp.checkpoint import manifest as manifest_lib
-from tfdp.checkpoint import planner
+from tfdp.checkpoint.persistent import catalog as catalog_lib
+from tfdp.checkpoint.format import fs
+from tfdp.checkpoint.format import items as items_lib
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.persistent import lease as lease_lib
+from tfdp.checkpoint.local import tier as local_lib
+from tfdp.checkpoint.local import face as local_face
+from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.format import planner
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import recovery
 from tfdp.checkpoint import restore as restore_lib
-from tfdp.checkpoint import retention
-from tfdp.checkpoint import session as session_lib
-from tfdp.checkpoint import storage
+from tfdp.checkpoint.persistent import retention
+from tfdp.checkpoint.persistent import session as session_lib
+from tfdp.checkpoint.persistent import writer as storage
 
 
 _number = items_lib.number
@@ -47,7 +47,7 @@ class CheckpointManager(local_face.LocalFace):
   deleted in the background after the commit (a synchronous save has
   deleted them when it returns, as TF's); a number already committed, or
   below the newest, is refused; the chief leases the directory, so a second
-  job writing there is refused (see tfdp.checkpoint.lease).
+  job writing there is refused (see tfdp.checkpoint.persistent.lease).
 
   Per-worker state (`per_worker`: name -> trackable whose values differ
   between workers) is saved by worker i under `_tfdp_per_worker/<i>/<key>`
@@ -76,7 +76,7 @@ class CheckpointManager(local_face.LocalFace):
     per_worker: dict name -> trackable of per-worker state (see above).
     worker_index, num_workers: override what the cluster says.
     strategy: the MultiWorkerMirroredStrategy (default: the one in scope, or
-      the one owning `checkpoint`'s variables; see tfdp.cluster.resolve).
+      the one owning `checkpoint`'s variables; see tfdp.distribute.cluster.resolve).
     run_id: an id shared by all workers and new for each job attempt; needed
       only with explicit worker_index/num_workers > 1 (default: env
       TFDP_RUN_ID). With a strategy, the workers agree on one by themselves.

@@ -7,8 +7,8 @@ import re
 import tensorflow as tf
 
 from tfdp import errors
-from tfdp.checkpoint import items as items_lib
-from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint.format import items as items_lib
+from tfdp.checkpoint.format import layout as layout_lib
 
 
 # How many differences an IncompatibleCheckpointError names.

@@ -6,14 +6,14 @@ import time
 from absl import logging
 import numpy as np
 
-from tfdp import cluster
+from tfdp.distribute import cluster
 from tfdp import errors
-from tfdp.checkpoint import copies
-from tfdp.checkpoint import generations
-from tfdp.checkpoint import local as local_lib
+from tfdp.checkpoint.local import copies
+from tfdp.checkpoint.local import generations
+from tfdp.checkpoint.local import tier as local_lib
 from tfdp.checkpoint import restore as restore_lib
-from tfdp.checkpoint import restore_phases
-from tfdp.checkpoint import wire
+from tfdp.checkpoint.local import phases as restore_phases
+from tfdp.checkpoint.local import wire
 
 SLOTS = generations.MAX_KEEP  # Own copies and kept states each worker offers.
 
@@ -163,7 +163,7 @@ class TieredRestore:
   3. the holders restore their own copy; after one all-reduce of their
      outcome, the first holder sends each worker without one the copy
      (its record and slot), and its neighbour its per-worker state, over the side channel
-     (tfdp.checkpoint.peers); that worker makes them its own local copy
+     (tfdp.checkpoint.local.peers); that worker makes them its own local copy
      (`LocalTier.receive`) and restores it;
   4. one all-reduce of every worker's outcome: any failure (a damaged copy,
      a read error, a transfer cut short or timed out) moves every worker
@@ -178,7 +178,7 @@ class TieredRestore:
   Args:
     checkpoint: the `tf.train.Checkpoint` to restore into.
     tier: this worker's `LocalTier` (with its side channel when N > 1).
-    me: this worker (`tfdp.cluster.Worker`, with its strategy).
+    me: this worker (`tfdp.distribute.cluster.Worker`, with its strategy).
     restore_per_worker: `fn(prefix, manifest, reader)` restoring this worker's
       own per-worker state from a copy's tensors.
     before_apply: called before a restore may change the state

@@ -9,14 +9,14 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.python.trackable import trackable_utils
 
-from tfdp import cluster
+from tfdp.distribute import cluster
 from tfdp import errors
-from tfdp.checkpoint import catalog as catalog_lib
-from tfdp.checkpoint import items as items_lib
-from tfdp.checkpoint import layout as layout_lib
-from tfdp.checkpoint import manifest as manifest_lib
+from tfdp.checkpoint.persistent import catalog as catalog_lib
+from tfdp.checkpoint.format import items as items_lib
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint import model_match
-from tfdp.checkpoint import storage
+from tfdp.checkpoint.persistent import writer as storage
 
 # What TF raises when a checkpoint's bytes are missing, short or wrong.
 _CORRUPT = (tf.errors.DataLossError, tf.errors.OutOfRangeError,
@@ -217,11 +217,11 @@ class Restorer:
   Args:
     checkpoint: the `tf.train.Checkpoint` to restore into.
     layout: the directory's layout.
-    catalog: the directory's `tfdp.checkpoint.catalog.Catalog`.
-    me: this worker (`tfdp.cluster.Worker`).
+    catalog: the directory's `tfdp.checkpoint.persistent.catalog.Catalog`.
+    me: this worker (`tfdp.distribute.cluster.Worker`).
     per_worker: a `tf.train.Checkpoint` of this worker's per-worker state, or None.
     verify_sizes: check every file's size before a restore reads it.
-    lease: the chief's `tfdp.checkpoint.lease.Holder`: it holds the lease
+    lease: the chief's `tfdp.checkpoint.persistent.lease.Holder`: it holds the lease
       before it sets a checkpoint aside.
   """
 

@@ -9,20 +9,20 @@ import re
 import sys
 import tempfile
 
-from tfdp.checkpoint import layout as layout_lib
+from tfdp.checkpoint.format import layout as layout_lib
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
                "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
                "TIB": 2**40}
 _VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
-# Keys as tfdp.state and tfdp.resume name them (importing those loads Keras).
+# Keys as tfdp.resume.train_state and tfdp.resume name them (importing those loads Keras).
 _RUN_CONFIG_KEY = "run_config/.ATTRIBUTES/py_state"
 _STEP_KEY = "optimizer/iteration" + _VALUE_SUFFIX
 _EPOCH_KEY, _STEP_IN_EPOCH_KEY = "keras_epoch" + _VALUE_SUFFIX, "keras_step_in_epoch" + _VALUE_SUFFIX
 _TOPOLOGY_KEY = "data_topology" + _VALUE_SUFFIX
 _DATA_PART = "data"  # tfdp.resume.DATA_KEY: the data position among the per-worker state.
 # Top-level names of what tfdp and Keras's BackupAndRestore keep next to the
-# user's objects (see tfdp.resume and tfdp.state); `inspect` lists them last.
+# user's objects (see tfdp.resume and tfdp.resume.train_state); `inspect` lists them last.
 _INTERNAL = ("_CHECKPOINTABLE_OBJECT_GRAPH", layout_lib.PER_WORKER_ROOT, "save_counter",
              "data_topology", "run_config")
 
@@ -77,7 +77,7 @@ def _tf_start_up_hidden():
 
 
 class _LocalFiles:
-  """What `ls` reads of a local directory, without TensorFlow (tfdp.checkpoint.fs has the same names)."""
+  """What `ls` reads of a local directory, without TensorFlow (tfdp.checkpoint.format.fs has the same names)."""
   listdir = staticmethod(os.listdir)
   exists = staticmethod(os.path.exists)
   size = staticmethod(os.path.getsize)
@@ -94,7 +94,7 @@ class _LocalFiles:
 def _files(path):
   if "://" not in path:
     return _LocalFiles
-  from tfdp.checkpoint import fs  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import fs  # pylint: disable=g-import-not-at-top
   return fs
 
 
@@ -214,7 +214,7 @@ def _ls_row(files, directory, base, kinds, state, checksums):
       status = "no tfdp manifest (written by TF itself, or a torn save)"
     return (base, "-", _human(size), str(len(data)) if data else "-", "-", status)
   if checksums:
-    from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+    from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
     problems = manifest_lib.check_files(prefix)
   else:
     problems = _size_problems(files, prefix, man)
@@ -244,7 +244,7 @@ def _table(rows, out, indent=""):
 
 
 def cmd_verify(args, out):
-  from tfdp.checkpoint import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   problems = manifest_lib.check_files(args.path)
   if problems:
     for p in problems:
@@ -379,12 +379,12 @@ def cmd_inspect(args, out):
 
 def _keras_target(args):
   """The .keras file `--format=keras` writes: OUT itself when it ends in .keras, else OUT/model.keras."""
-  from tfdp import export  # pylint: disable=g-import-not-at-top
+  from tfdp.app import export  # pylint: disable=g-import-not-at-top
   return args.out if args.out.endswith(".keras") else os.path.join(args.out, export.KERAS_FILE)
 
 
 def cmd_export(args, out):
-  from tfdp import export  # pylint: disable=g-import-not-at-top
+  from tfdp.app import export  # pylint: disable=g-import-not-at-top
   if args.format == "keras":
     import keras  # pylint: disable=g-import-not-at-top
     # The rebuilt layers must get the names a fresh process gives them (Keras
@@ -394,7 +394,7 @@ def cmd_export(args, out):
     path = export.keras_from_checkpoint(args.path, _keras_target(args))
     out.write(f"wrote {path}\n")
     return 0
-  from tfdp import safetensors_export  # pylint: disable=g-import-not-at-top
+  from tfdp.app import safetensors as safetensors_export  # pylint: disable=g-import-not-at-top
   result = safetensors_export.save_safetensors(
       args.path, args.out, include_optimizer=args.include_optimizer,
       max_shard_size=(safetensors_export.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None

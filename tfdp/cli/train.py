@@ -1,4 +1,4 @@
-"""`tfdp-train`: absl flags -> TrainConfig -> tfdp.trainer.run.
+"""`tfdp-train`: absl flags -> TrainConfig -> tfdp.app.trainer.run.
 
 Flags, paths and the cluster are checked before TensorFlow is imported: a
 bad one costs a fraction of a second and prints one line, no TF start-up.
@@ -12,9 +12,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from tfdp import environment
+from tfdp.distribute import environment
 from tfdp import errors
-from tfdp import strategy_kind
+from tfdp.distribute import kinds as strategy_kind
 
 FLAGS = flags.FLAGS
 
@@ -165,7 +165,7 @@ flags.DEFINE_integer("summary_every_steps", None,
 
 def config_from_flags():
   """The TrainConfig the parsed flags describe."""
-  from tfdp.trainer import TrainConfig  # pylint: disable=g-import-not-at-top
+  from tfdp.app.trainer import TrainConfig  # pylint: disable=g-import-not-at-top
   return TrainConfig(**{f.name: FLAGS[f.name].value
                         for f in dataclasses.fields(TrainConfig)})
 
@@ -213,10 +213,10 @@ def main(argv):
     print(f"tfdp-train: error: {e}", file=sys.stderr)
     return 2
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdp import trainer  # pylint: disable=g-import-not-at-top
+  from tfdp.app import trainer  # pylint: disable=g-import-not-at-top
   # TF logs one INFO line per variable and collective; keep the console readable.
   tf.get_logger().setLevel("WARNING")
-  from tfdp import preemption  # pylint: disable=g-import-not-at-top
+  from tfdp.liveness import preemption  # pylint: disable=g-import-not-at-top
   try:
     trainer.run(config_from_flags())
   except preemption.Preempted as e:
@@ -225,8 +225,8 @@ def main(argv):
     return preemption.EXIT_PREEMPTED
   except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
           tf.errors.AbortedError, tf.errors.CancelledError) as e:
-    from tfdp import heartbeat  # pylint: disable=g-import-not-at-top
-    from tfdp import stall  # pylint: disable=g-import-not-at-top
+    from tfdp.liveness import heartbeat  # pylint: disable=g-import-not-at-top
+    from tfdp.liveness import stall  # pylint: disable=g-import-not-at-top
     stall.exit_if_stalled(e, None)  # Exits at once with a line naming the collective.
     if not heartbeat.is_peer_loss(e):
       raise

@@ -26,7 +26,7 @@ import tensorflow as tf
 from tfdp.compat import strategy_fixes  # pylint: disable=unused-import
 from tfdp.compat import fit_fixes  # pylint: disable=unused-import
 from tfdp.compat import file_fixes  # pylint: disable=unused-import
-from tfdp.compat import gradient_path  # pylint: disable=unused-import
+from tfdp.gradients import path as gradient_path  # pylint: disable=unused-import
 from tfdp.compat import deadline  # pylint: disable=unused-import
 from tfdp.compat.registry import Fix
 from tfdp.compat.registry import REGISTRY as _REGISTRY

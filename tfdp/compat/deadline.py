@@ -2,9 +2,9 @@
 
 Under MultiWorkerMirroredStrategy a worker whose peer is alive but stuck
 waits in its next collective forever, and TensorFlow's own per-collective
-timeout keeps a thread per collective (see tfdp.stall). The patch runs
+timeout keeps a thread per collective (see tfdp.liveness.stall). The patch runs
 every call of a model's train, test and predict functions under
-tfdp.stall's deadline (tfdp.gradients' `timeout_seconds`): past it the
+tfdp.liveness.stall's deadline (tfdp.gradients' `timeout_seconds`): past it the
 pending collectives are aborted, and the worker ends with one line naming
 the collective and the step (tfdp-launch restarts the group).
 """
@@ -14,9 +14,9 @@ import functools
 from keras.src.backend.tensorflow import trainer as tf_trainer
 import tensorflow as tf
 
-from tfdp import cluster
-from tfdp import gradients as settings
-from tfdp import stall
+from tfdp.distribute import cluster
+from tfdp.gradients import settings
+from tfdp.liveness import stall
 from tfdp.compat import probes
 from tfdp.compat.registry import patch_attr
 from tfdp.compat.registry import register
@@ -34,7 +34,7 @@ def _probe():
 
 
 def _under_deadline(make, attr, where):
-  """`make_X_function` whose function, under a multi-worker strategy, runs each call under tfdp.stall's deadline."""
+  """`make_X_function` whose function, under a multi-worker strategy, runs each call under tfdp.liveness.stall's deadline."""
 
   @functools.wraps(make)
   def make_function(self, force=False):
@@ -75,7 +75,7 @@ def _install_collective_deadline():
 
   Upstream's functions run unbounded. Under a multi-worker strategy the patch
   wraps the function each one makes so that every call runs under
-  tfdp.stall's deadline and a call whose collectives it aborted ends the
+  tfdp.liveness.stall's deadline and a call whose collectives it aborted ends the
   worker with one line (see the module docstring). Other strategies get
   upstream's function unchanged.
   """

@@ -27,7 +27,7 @@ from keras.src.callbacks import csv_logger
 from keras.src.callbacks import tensorboard
 from keras.src.models import model as model_lib
 
-from tfdp import cluster
+from tfdp.distribute import cluster
 from tfdp.compat import probes
 from tfdp.compat.registry import patch_attr
 from tfdp.compat.registry import register

@@ -5,7 +5,7 @@ from keras.src.trainers import data_adapters
 from keras.src.trainers import epoch_iterator as epoch_iterator_lib
 from keras.src.trainers import trainer as base_trainer
 
-from tfdp import fit_hooks
+from tfdp.resume import fit_hooks
 from tfdp.compat import probes
 from tfdp.compat.registry import patch_attr
 from tfdp.compat.registry import register
@@ -22,7 +22,7 @@ _BaseTrainer = base_trainer.Trainer
 def _probe_fit_loop():
   """`fit` makes its training epoch iterator first, then runs on_train_begin, then reads `_initial_epoch`.
 
-  tfdp.fit_hooks takes the first TFEpochIterator a fit makes as its
+  tfdp.resume.fit_hooks takes the first TFEpochIterator a fit makes as its
   training data's, swaps its dataset before any callback runs, and
   BackupAndRestore.on_train_begin sets `model._initial_epoch` (as Keras's own
   callback does) for fit to start at the restored epoch; a callback's batch
@@ -91,7 +91,7 @@ def _probe_epoch_iterator():
 
 
 def _probe_adapters():
-  """The adapters tfdp.fit_hooks saves the position of still exist under their names and make a tf.data pipeline.
+  """The adapters tfdp.resume.fit_hooks saves the position of still exist under their names and make a tf.data pipeline.
 
   Arrays are shuffled with tf.random.shuffle, whose kernel state the hook
   leaves out of the saved iterator (ExternalStatePolicy.IGNORE).
@@ -126,8 +126,8 @@ def _install_fit_data_state():
   before any callback runs; TF cannot checkpoint it, and `fit` always starts
   an epoch at its first step. With a callback that asks for the data position
   (`tfdp.callbacks.BackupAndRestore`), the patch gives the `tf.data` input
-  checkpointable iterators (`tfdp.iterators`), lets the callback find them
-  and the fit's other callbacks (`tfdp.fit_hooks.current`), and lets it start
+  checkpointable iterators (`tfdp.data.iterators`), lets the callback find them
+  and the fit's other callbacks (`tfdp.resume.fit_hooks.current`), and lets it start
   the resumed epoch at the restored step; an epoch resumed after its last
   step logs its restored metrics (upstream: none but validation's). Callbacks
   that set `tfdp_runs_last` come after the others, wherever they are in the

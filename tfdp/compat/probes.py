@@ -125,9 +125,9 @@ def params(owner, name, leading=(), defaults=None) -> list[str]:
 
 
 def multi_worker_attributes() -> list[str]:
-  """What changed in the attributes tfdp.cluster reads to tell a multi-worker strategy.
+  """What changed in the attributes tfdp.distribute.cluster reads to tell a multi-worker strategy.
 
-  `tfdp.cluster.is_multi_worker` and `resolve` read these from
+  `tfdp.distribute.cluster.is_multi_worker` and `resolve` read these from
   MultiWorkerMirroredStrategy's extended (with defaults that mean "one
   worker"): if TF stopped setting them, the fixes would silently never act.
   """

@@ -14,7 +14,7 @@ from tensorflow.python.distribute import cross_device_utils
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow.python.distribute import values
 
-from tfdp import cluster
+from tfdp.distribute import cluster
 from tfdp.compat import multi_step
 from tfdp.compat import probes
 from tfdp.compat.registry import patch_attr

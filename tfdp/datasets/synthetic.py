@@ -13,7 +13,7 @@ from tfdp.datasets.dataset import index_seed
 SYNTHETIC_VOCAB_SIZE = 1024
 SYNTHETIC_TOPICS = 8
 SYNTHETIC_TOPIC_WORDS = 16
-# Special ids of the synthetic vocabulary (the order of tfdp.text.SPECIAL).
+# Special ids of the synthetic vocabulary (the order of tfdp.datasets.tokenizer.SPECIAL).
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(5)
 
 

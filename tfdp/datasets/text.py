@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tfdp import data
 from tfdp import errors
-from tfdp import text
+from tfdp.datasets import tokenizer as text
 from tfdp.datasets.dataset import Dataset
 from tfdp.datasets.dataset import index_seed
 

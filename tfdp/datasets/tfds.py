@@ -19,7 +19,7 @@ import tensorflow as tf
 import models
 from tfdp import data
 from tfdp import errors
-from tfdp import text
+from tfdp.datasets import tokenizer as text
 from tfdp.datasets import interactions
 from tfdp.datasets import text as text_data
 from tfdp.datasets.dataset import Dataset

@@ -11,8 +11,8 @@ import time
 import zlib
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from tfdp.checkpoint import layout
-from tfdp.checkpoint import private
+from tfdp.checkpoint.format import layout
+from tfdp.checkpoint.format import private
 
 # A progress file is 64 bytes that its worker maps into memory. A step is two
 # stores into that mapping (the step and its time): no system call, and the
@@ -40,7 +40,7 @@ def read_json(path: Optional[str]) -> Any:
 
 
 def _open_private(path: str, flags: int) -> int:
-  """A ledger file: 0600, never through a symlink (tfdp.checkpoint.private's rule; the launcher loads no TF)."""
+  """A ledger file: 0600, never through a symlink (tfdp.checkpoint.format.private's rule; the launcher loads no TF)."""
   return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Sequence
 
-from tfdp.checkpoint import layout
+from tfdp.checkpoint.format import layout
 from tfdp.goodput.ledger import write_json_atomic
 
 # Name of the summary in the model directory, and the TensorBoard run of its scalars.

@@ -10,7 +10,7 @@ import keras
 
 from tfdp import errors
 from tfdp import goodput
-from tfdp.checkpoint import layout
+from tfdp.checkpoint.format import layout
 
 POINTER = "tfdp_backup.json"
 

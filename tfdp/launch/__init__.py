@@ -30,7 +30,7 @@ from tfdp.launch.procs import FAILED_GROUP_GRACE_SECONDS
 from tfdp.launch.procs import Failure
 from tfdp.launch.procs import Launcher
 from tfdp.launch.procs import first_failure
-from tfdp.launch.slots import Slots
+from tfdp.launch.elastic import Slots
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS", "DEFAULT_STARTUP_TIMEOUT", "ENV_HEARTBEAT_FILE",

@@ -14,7 +14,7 @@ from tfdp import goodput
 from tfdp.launch import noise
 from tfdp.launch import procs
 from tfdp.launch import signals
-from tfdp.launch.slots import Slots
+from tfdp.launch.elastic import Slots
 
 # Exit codes of tfdp-launch (and EXIT_PREEMPTED: signalled, the workers saved).
 EXIT_OK = 0

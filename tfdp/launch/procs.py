@@ -32,8 +32,8 @@ FAILED_GROUP_GRACE_SECONDS = 1.0
 DEFAULT_STARTUP_TIMEOUT = 600.0
 
 # Exit codes of workers that the launcher recognises. They equal
-# tfdp.preemption.EXIT_PREEMPTED, tfdp.heartbeat.EXIT_PEER_LOST and
-# tfdp.stall.EXIT_COLLECTIVE_TIMEOUT (a test checks); they are repeated
+# tfdp.liveness.preemption.EXIT_PREEMPTED, tfdp.liveness.heartbeat.EXIT_PEER_LOST and
+# tfdp.liveness.stall.EXIT_COLLECTIVE_TIMEOUT (a test checks); they are repeated
 # here so that the launcher imports no TensorFlow.
 EXIT_PREEMPTED = 75   # saved at a step all workers agreed on; relaunch to resume
 EXIT_PEER_LOST = 69   # a worker's peer disappeared; a consequence, not a cause

@@ -1,0 +1,181 @@
+"""The file-system seam of checkpoints: fsync, atomic writes and renames, listing, deletion."""
+
+import json
+import os
+
+import tensorflow as tf
+
+from tfdp import errors
+from tfdp.checkpoint.format import layout
+from tfdp.checkpoint.format import private
+
+# Every function takes a local path or any tf.io.gfile URL. Object stores
+# (gs://, s3://) make an object durable when it is closed and have no
+# directories to fsync; their rename is a copy, which is why the commit point
+# is a small file written last, not a renamed directory.
+
+
+def is_local(path: str) -> bool:
+  """True for paths of the local file system (fsync applies)."""
+  return "://" not in path or path.startswith("file://")
+
+
+def _local(path):
+  return path[len("file://"):] if path.startswith("file://") else path
+
+
+def fsync_file(path: str) -> None:
+  """Flushes `path` to stable storage (no-op for object stores: close is durable)."""
+  if not is_local(path):
+    return
+  fd = os.open(_local(path), os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def restrict(path: str) -> None:
+  """Makes a local file tfdp had TensorFlow write 0600 (private.file_mode); TF's writers follow the umask."""
+  if is_local(path):
+    fd = private.open_file(_local(path), os.O_RDONLY)
+    try:
+      os.fchmod(fd, private.file_mode())
+    finally:
+      os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+  """Makes renames and creations inside directory `path` durable."""
+  if not is_local(path):
+    return
+  try:
+    fd = os.open(_local(path), os.O_RDONLY | os.O_DIRECTORY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` so readers see all of it or nothing (temp, fsync, rename)."""
+  tmp = layout.atomic_tmp_path(path)
+  if is_local(path):  # The OS's calls: a local save's record at every step costs little.
+    fd = private.open_tmp(_local(tmp))  # 0600, O_EXCL, O_NOFOLLOW: nothing planted is written.
+    try:
+      data = memoryview(text.encode())
+      while data:
+        data = data[os.write(fd, data):]
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.replace(_local(tmp), _local(path))
+  else:
+    with tf.io.gfile.GFile(tmp, "w") as f:
+      f.write(text)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+  fsync_dir(os.path.dirname(path))
+
+
+def write_json_atomic(path: str, obj) -> None:
+  """Writes `obj` as JSON to `path`, atomically (see write_atomic)."""
+  write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+
+
+def read_json(path: str):
+  """Reads a JSON file; None if it does not exist or is not complete JSON."""
+  try:
+    with tf.io.gfile.GFile(path, "r") as f:
+      return json.loads(f.read())
+  except (tf.errors.NotFoundError, ValueError):
+    return None
+
+
+def listdir(path: str) -> list[str]:
+  """Names in directory `path` (without a trailing '/'); [] when it does not exist."""
+  try:
+    return [n.rstrip("/") for n in tf.io.gfile.listdir(path)]
+  except tf.errors.NotFoundError:
+    return []
+
+
+def exists(path: str) -> bool:
+  return tf.io.gfile.exists(path)
+
+
+def isdir(path: str) -> bool:
+  return tf.io.gfile.isdir(path)
+
+
+def size(path: str) -> int:
+  return tf.io.gfile.stat(path).length
+
+
+def makedirs(path: str) -> None:
+  """Makes directory `path` and its missing parents; local ones tfdp makes are 0700 (private.dir_mode)."""
+  if not is_local(path):
+    tf.io.gfile.makedirs(path)
+    return
+  private.make_dirs(_local(path))
+
+
+def make_private_dir(path: str) -> None:
+  """Makes a worker's local-tier folder, private to this user, or refuses it (private.tier_dir).
+
+  Raises:
+    ConfigError: a component is a symlink, another user's, or open to others.
+  """
+  private.tier_dir(_local(path))
+
+
+def rename(src: str, dst: str) -> None:
+  tf.io.gfile.rename(src, dst, overwrite=True)
+
+
+def remove(path: str) -> None:
+  tf.io.gfile.remove(path)
+
+
+def rmtree(path: str) -> None:
+  tf.io.gfile.rmtree(path)
+
+
+def require_directory(path: str) -> str:
+  """`path`, unless it is a local file (ConfigError: a directory is needed; it is made if missing)."""
+  if is_local(path) and os.path.isfile(_local(path)):
+    raise errors.ConfigError(
+        f"{path} is a file, not a directory: pass a directory for the checkpoints "
+        "(it is created if missing).")
+  return path
+
+
+def free_bytes(path: str) -> int | None:
+  """Bytes free for an unprivileged writer at local `path` (None for object stores, or unknown)."""
+  if not is_local(path):
+    return None
+  try:
+    st = os.statvfs(_local(path))
+  except OSError:
+    return None
+  return st.f_bavail * st.f_frsize
+
+
+def _umask() -> int:
+  """This process's umask (Linux: from /proc, as setting it to read it races other threads)."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      return int(next(l for l in f if l.startswith("Umask:")).split()[1], 8)
+  except (OSError, StopIteration, ValueError):
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def user_mode(path: str) -> None:
+  """Gives a local file the mode `open()` gives: 0666 less the umask (`safetensors` and `mkstemp` give 0600)."""
+  if "://" not in path:
+    os.chmod(path, 0o666 & ~_umask())

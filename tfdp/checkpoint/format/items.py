@@ -1,0 +1,309 @@
+"""What a save writes: a checkpoint's tensors as planner Items, and their host snapshot."""
+
+import collections
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.trackable import python_state
+from tensorflow.python.trackable import trackable_utils
+from tensorflow.python.training.saving import saveable_object
+
+from tfdp import errors
+from tfdp.checkpoint.format.planner import Item
+from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.local import phases as restore_phases
+from tfdp.checkpoint.format.planner import OBJECT_GRAPH_KEY
+
+
+def number(value) -> int:
+  """A step or checkpoint number given as an int, a tf.Variable or a tensor."""
+  if isinstance(value, (tf.Variable, tf.Tensor)):
+    value = value.numpy()
+  return int(value)
+
+
+def nbytes(t) -> int:
+  """Bytes of tensor `t` as a checkpoint holds them (strings: their lengths plus 8 each)."""
+  if t.dtype == tf.variant:
+    return 0  # Unknown until `writable` turns it into bytes.
+  if t.dtype == tf.string:
+    return int(sum(len(b) for b in np.ravel(t.numpy()))) + 8 * max(
+        1, int(np.prod(t.shape)))
+  return int(np.prod(t.shape, dtype=np.int64)) * t.dtype.size
+
+
+def _tensors(checkpoint, key_prefix="", with_object_graph=True):
+  """(key, slice_spec, tensor) of `checkpoint`'s serialization, sorted; eager or inside a tf.function."""
+  serialized, _, registered, _ = (
+      checkpoint._saver._gather_serialized_tensors(None))  # pylint: disable=protected-access
+  if registered:
+    raise errors.CheckpointError(
+        f"Objects with registered savers ({sorted(registered)}) are not "
+        "supported by tfdp.CheckpointManager; save them with tf.train.Checkpoint.")
+  out = []
+  for tensor_dict in serialized.values():
+    for key, slices in tensor_dict.items():
+      if key == OBJECT_GRAPH_KEY and not with_object_graph:
+        continue
+      if not isinstance(slices, dict):
+        slices = {"": slices}
+      for slice_spec, value in slices.items():
+        if isinstance(value, saveable_object.SaveSpec):
+          device = value.device
+          with tf.device(device if isinstance(device, str) and device else None):
+            value = value.tensor
+        if value is None:
+          continue
+        if callable(value) and not isinstance(value, tf.Tensor):
+          value = value()
+        out.append((key_prefix + key, slice_spec, tf.convert_to_tensor(value)))
+  out.sort(key=lambda t: (t[0], t[1]))
+  return out
+
+
+def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
+           with_object_graph: bool = True) -> list[Item]:
+  """Returns the Items of `checkpoint`, without copying.
+
+  Uses the same serialization as `tf.train.Checkpoint.write` (object graph
+  proto under `_CHECKPOINTABLE_OBJECT_GRAPH`), so the merged result is a
+  checkpoint plain TF restores.
+
+  Raises:
+    CheckpointError: an object has a registered saver (not supported).
+  """
+  return [Item(key, spec, value, nbytes(value))
+          for key, spec, value in _tensors(checkpoint, key_prefix, with_object_graph)]
+
+
+class CachedGather:
+  """`gather(checkpoint)` as one traced TF function, for frequent saves (the local tier).
+
+  One call reads every tensor in one function call (about 1 ms for a Keras
+  model) instead of one eager op and a graph walk per variable (about 0.5
+  ms per variable). As TF's own async checkpointing does after its first
+  save, it assumes that the checkpoint's objects stay the same; `check()`
+  with the keys of a full `gather` (every persistent save) retraces it when
+  they changed.
+
+  Args:
+    checkpoint: the `tf.train.Checkpoint`.
+  """
+
+  def __init__(self, checkpoint: tf.train.Checkpoint):
+    self._checkpoint = checkpoint
+    self._fn = None
+    self._keys = None
+
+  def _trace(self):
+    keys = []
+
+    @tf.function(autograph=False)
+    def values():
+      keys.clear()
+      out = []
+      for key, spec, value in _tensors(self._checkpoint):
+        # Sizes are known from the trace, except those of strings.
+        static = (None if value.dtype == tf.string or not value.shape.is_fully_defined()
+                  else value.shape.num_elements() * value.dtype.size)
+        keys.append((key, spec, static))
+        out.append(value)
+      return out
+
+    values.get_concrete_function()
+    self._fn, self._keys = values, list(keys)
+
+  def __call__(self) -> list[Item]:
+    if self._fn is None:
+      self._trace()
+    values = self._fn()
+    return [Item(key, spec, value, nbytes(value) if size is None else size)
+            for (key, spec, size), value in zip(self._keys, values)]
+
+  def check(self, items: list[Item]) -> None:
+    """Retraces at the next call when `items` (a full gather) has other keys than the traced ones."""
+    if self._keys is not None and [k[:2] for k in self._keys] != [
+        (it.key, it.slice_spec) for it in items]:
+      self._fn = self._keys = None
+
+
+def restore_values(checkpoint: tf.train.Checkpoint, values: dict, partial: bool = False) -> bool:
+  """Assigns `values` ({key: array}) to `checkpoint`'s objects, as TF's restore would, if they match exactly.
+
+  Each object gets its tensors through its own `_restore_from_tensors`
+  (what TF's restore calls), so distributed variables, Python state and
+  the rest restore as they do from a TF checkpoint. Nothing is assigned,
+  and False returned, when `values` holds a key no object of `checkpoint`
+  saves now, an object has some of its keys and not all, or a dtype or
+  shape differs (TF's restore then defers or reports it).
+
+  With `partial`, an object whose tensors are not all in `values` with
+  their dtype and shape keeps its values instead (and so does every Python
+  state, e.g. the model's config: this run's stays), keys no object saves
+  are left, and True is returned.
+  """
+  start = time.perf_counter()
+  serialized, _, registered, _ = checkpoint._saver._gather_serialized_tensors(None)  # pylint: disable=protected-access
+  if registered:
+    return False
+  plan, seen = [], set()
+  for trackable, tensor_dict in serialized.items():
+    present = [k for k in tensor_dict if k in values]
+    if trackable is None or not present or (
+        partial and isinstance(trackable, python_state.PythonState)):
+      continue  # An object the copy does not hold keeps its values, as TF's restore leaves it.
+    if len(present) != len(tensor_dict) or not (
+        isinstance(trackable, python_state.PythonState) or type(trackable)._restore_from_tensors  # pylint: disable=protected-access
+        is not trackable_base.Trackable._restore_from_tensors):  # pylint: disable=protected-access
+      if partial:
+        continue
+      return False
+    names = {}
+    for key, value in tensor_dict.items():
+      if isinstance(value, dict):
+        names = None  # Sliced.
+        break
+      if isinstance(value, saveable_object.SaveSpec):
+        value = value.tensor
+      value = value() if callable(value) and not isinstance(value, tf.Tensor) else value
+      got = np.asarray(values[key])
+      kind = tf.string if got.dtype.kind in "OS" else tf.as_dtype(got.dtype)
+      if value is None or tf.as_dtype(value.dtype) != kind or list(value.shape) != list(got.shape):
+        names = None
+        break
+      names[trackable_utils.extract_local_name(key)] = key
+    if names is None:
+      if partial:
+        continue
+      return False
+    plan.append((trackable, names))
+    seen.update(tensor_dict)
+  if not partial and set(values) - seen - {OBJECT_GRAPH_KEY}:
+    return False
+  restore_phases.add("plan", time.perf_counter() - start)
+  for trackable, names in plan:
+    if isinstance(trackable, python_state.PythonState):  # As TF's restore: its string, as is.
+      (key,) = names.values()
+      trackable.deserialize(values[key])
+      continue
+    with restore_phases.timed("tensors"):
+      tensors = {name: tf.constant(values[key]) for name, key in names.items()}
+    with restore_phases.timed("assign"):
+      trackable._restore_from_tensors(tensors)  # pylint: disable=protected-access
+  return True
+
+
+class PerWorker:
+  """One worker's per-worker state: name -> trackable, saved under `_tfdp_per_worker/<worker>/`.
+
+  Args:
+    objects: name -> trackable whose values differ between workers.
+    worker: this worker's index.
+  """
+
+  def __init__(self, objects: dict | None, worker: int):
+    self.objects = dict(objects or {})
+    self.worker = worker
+    self.checkpoint = tf.train.Checkpoint(**self.objects) if self.objects else None
+
+  @property
+  def keys(self) -> list[str]:
+    return sorted(self.objects)
+
+  @property
+  def required(self) -> bool:
+    """Whether a copy's per-worker state must be restored exactly (each object's `tfdp_required`)."""
+    return any(getattr(obj, "tfdp_required", True) for obj in self.objects.values())
+
+  def items(self) -> list[Item]:
+    """The state as Items under this worker's keys ([] when there is none)."""
+    if self.checkpoint is None:
+      return []
+    return gather(self.checkpoint, layout_lib.per_worker_prefix(self.worker),
+                  with_object_graph=False)
+
+
+# The bytes of the last variants written: a data position is saved against
+# the same iterator state for many saves (tfdp.resume), made into bytes once.
+_bytes_of = collections.OrderedDict()
+_bytes_lock = threading.Lock()
+
+
+def writable(value) -> tf.Tensor:
+  """`value` as the tensor a checkpoint file holds: a variant (an iterator's position) becomes its bytes.
+
+  The writer calls it, so a save's blocking part takes variants as they are.
+  """
+  value = tf.convert_to_tensor(value)
+  if value.dtype != tf.variant:
+    return value
+  # Held while the bytes are made: the persistent and the local writer of
+  # one step then make them once.
+  with _bytes_lock:
+    hit = _bytes_of.get(id(value))
+    if hit is not None and hit[0] is value:
+      return hit[1]
+    out = tf.io.serialize_tensor(value)
+    _bytes_of[id(value)] = (value, out)  # Holds `value`, so its id stays its own.
+    while len(_bytes_of) > 4:
+      _bytes_of.popitem(last=False)
+  return out
+
+
+class HostMirrors:
+  """Host buffers reused by every save for the tensors that live on a device (GPU), as TF's async checkpoint has.
+
+  One CPU variable per device tensor, made at the first save (outside any
+  strategy: a plain resource variable); each save assigns the tensor to it
+  (the device-to-host copy, into the same memory every time) and hands on
+  an alias of it. A save that comes while the writer still reads the
+  previous one's makes TF copy that buffer first (copy-on-write).
+  """
+
+  def __init__(self):
+    self._vars = {}
+
+  def __call__(self, key, value):
+    mirror = self._vars.get(key)
+    if mirror is None or mirror.dtype != value.dtype or mirror.shape != value.shape:
+      with tf.init_scope(), tf.device("/cpu:0"):
+        mirror = resource_variable_ops.UninitializedVariable(
+            shape=value.shape, dtype=value.dtype, trainable=False, name="tfdp_host_mirror")
+      self._vars[key] = mirror
+    mirror.assign(value)
+    return mirror.read_value()
+
+
+def snapshot(items: list[Item], mirrors: HostMirrors | None = None) -> list[Item]:
+  """Snapshots the values of `items` in host memory so later updates don't leak in.
+
+  A tensor already in host memory is kept as is: it is the result of a
+  ReadVariableOp, an alias of the variable's buffer, and TF's update kernels
+  (assign*, every optimizer apply) copy a variable's buffer before writing
+  when a reader still holds it (copy-on-write), so it cannot change; the
+  local tier's writer lets it go as soon as its bytes are in the slot.
+  Other tensors (GPU/TPU) are copied to host memory once: into `mirrors`
+  (reused) when given, else into memory TF allocates.
+  """
+  out = []
+  for it in items:
+    value = it.value
+    if isinstance(value, tf.Tensor) and "CPU" in (value.device or "").upper():
+      out.append(it)
+      continue
+    if mirrors is not None and isinstance(value, tf.Tensor) and value.dtype not in (
+        tf.string, tf.variant, tf.resource):
+      out.append(dataclasses.replace(it, value=mirrors((it.key, it.slice_spec), value)))
+      continue
+    if isinstance(value, tf.Tensor) and value.dtype not in (tf.string, tf.variant):
+      value = value._numpy()  # pylint: disable=protected-access
+    elif isinstance(value, tf.Tensor):
+      value = value.numpy()
+    out.append(dataclasses.replace(it, value=np.array(value, copy=True)
+                                   if not isinstance(value, np.ndarray) else value))
+  return out

@@ -1,0 +1,302 @@
+"""The side channel's authenticated connections: a handshake naming both ends, MAC'd frames, and who may hold a slot.
+
+A connection is authenticated before any frame is read: the server sends
+its worker index and a fresh nonce; the client checks it reached the
+worker it meant, and answers with its index, its own nonce and an
+HMAC-SHA256 under the job's secret (tfdp.distribute.cluster.shared_secret) of both
+indices, both nonces and the direction; the server refuses a client
+claiming the server's own index (a reflected hello) and proves it knows
+the secret the same way, in the other direction, all within HANDSHAKE_S.
+Each side then derives one key per direction from the secret and the
+whole handshake, and every frame after it carries MACs under its
+direction's key and sequence number (`Channel`): a frame cannot be
+injected, replayed, reflected or spliced from another connection. `Door`
+decides who holds the server's slots: a connection still in its handshake
+is evicted (oldest first) when they are full, and one worker holds a few.
+"""
+
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import struct
+import threading
+import time
+
+from tfdp.checkpoint.local import wire
+
+MAGIC = b"tfdp-peer-v2"
+_NONCE = 32
+_MAC = hashlib.sha256().digest_size
+_INDEX = struct.Struct("<I")
+HELLO_BYTES = len(MAGIC) + _INDEX.size + _NONCE  # server -> client
+ANSWER_BYTES = len(MAGIC) + _INDEX.size + _NONCE + _MAC  # client -> server
+# The whole handshake, not each read: a connection that has not authenticated
+# by then is dropped (a trickle of bytes holds no slot).
+HANDSHAKE_S = 3.0
+_TO_SERVER, _TO_CLIENT = b"client->server", b"server->client"
+_READ_CHUNK = 8 << 20  # A copy's file is read for its MAC this much at a time.
+
+
+def _transcript(server: int, client: int, nonce_s: bytes, nonce_c: bytes) -> bytes:
+  return MAGIC + _INDEX.pack(server) + _INDEX.pack(client) + nonce_s + nonce_c
+
+
+def _mac(secret: bytes, direction: bytes, transcript: bytes) -> bytes:
+  return hmac.new(secret, direction + transcript, hashlib.sha256).digest()
+
+
+def _keys(secret: bytes, transcript: bytes) -> tuple[bytes, bytes]:
+  """(client->server key, server->client key) of one connection (HKDF-style: extract, then expand)."""
+  base = hmac.new(secret, b"tfdp-peer keys" + transcript, hashlib.sha256).digest()
+  return tuple(hmac.new(base, d, hashlib.sha256).digest() for d in (_TO_SERVER, _TO_CLIENT))
+
+
+def serve_handshake(sock, secret: bytes, me: int, num_workers: int,
+                    deadline: float | None = None) -> tuple[int, "Channel"]:
+  """The server's half, as worker `me`: (the authenticated client's index, the connection's Channel).
+
+  Args:
+    sock: the accepted socket.
+    secret: the job's key.
+    me: this worker's index.
+    num_workers: the job's workers.
+    deadline: a time.monotonic() by which the handshake must be done
+      (default: HANDSHAKE_S from now).
+
+  Raises:
+    wire.Refused: the client does not speak the protocol, does not know the
+      secret, or claims this worker's own index.
+    OSError: the connection failed or timed out.
+  """
+  deadline = time.monotonic() + HANDSHAKE_S if deadline is None else deadline
+  sock.settimeout(HANDSHAKE_S)
+  nonce_s = secrets.token_bytes(_NONCE)
+  sock.sendall(MAGIC + _INDEX.pack(me) + nonce_s)
+  answer = bytes(wire.recv_exact(sock, ANSWER_BYTES, deadline))
+  magic, rest = answer[:len(MAGIC)], answer[len(MAGIC):]
+  if magic != MAGIC:
+    raise wire.Refused("not a tfdp side-channel client (no handshake)", "handshake")
+  (client,) = _INDEX.unpack(rest[:_INDEX.size])
+  nonce_c = rest[_INDEX.size:_INDEX.size + _NONCE]
+  mac = rest[_INDEX.size + _NONCE:]
+  transcript = _transcript(me, client, nonce_s, nonce_c)
+  if not hmac.compare_digest(mac, _mac(secret, _TO_SERVER, transcript)):
+    raise wire.Refused("failed authentication: not a worker of this job", "auth")
+  if client == me:
+    raise wire.Refused(f"a client claiming this worker's own index {me} (a reflected handshake)",
+                  "reflect")
+  if client >= num_workers:
+    raise wire.Refused(f"claims worker {client} of a job of {num_workers}", "auth")
+  sock.sendall(_mac(secret, _TO_CLIENT, transcript))
+  to_server, to_client = _keys(secret, transcript)
+  return client, Channel(sock, send_key=to_client, recv_key=to_server)
+
+
+def client_handshake(sock, secret: bytes, me: int, to: int) -> "Channel":
+  """The client's half, as worker `me` connecting to worker `to`: the connection's Channel.
+
+  Raises:
+    ConnectionError: the server is not worker `to` of this job.
+    OSError: the connection failed, or the handshake took over HANDSHAKE_S.
+  """
+  timeout, deadline = sock.gettimeout(), time.monotonic() + HANDSHAKE_S
+  hello = bytes(wire.recv_exact(sock, HELLO_BYTES, deadline))
+  if hello[:len(MAGIC)] != MAGIC:
+    raise ConnectionError("the peer does not speak tfdp's side channel")
+  (server,) = _INDEX.unpack(hello[len(MAGIC):len(MAGIC) + _INDEX.size])
+  if server != to:
+    raise ConnectionError(f"the peer says it is worker {server}, not worker {to} "
+                          "(a reflected or misdirected handshake)")
+  nonce_s, nonce_c = hello[len(MAGIC) + _INDEX.size:], secrets.token_bytes(_NONCE)
+  transcript = _transcript(to, me, nonce_s, nonce_c)
+  sock.sendall(MAGIC + _INDEX.pack(me) + nonce_c + _mac(secret, _TO_SERVER, transcript))
+  proof = bytes(wire.recv_exact(sock, _MAC, deadline))
+  if not hmac.compare_digest(proof, _mac(secret, _TO_CLIENT, transcript)):
+    raise ConnectionError("the peer is not a worker of this job (wrong proof)")
+  sock.settimeout(timeout)
+  to_server, to_client = _keys(secret, transcript)
+  return Channel(sock, send_key=to_server, recv_key=to_client)
+
+
+class Channel:
+  """An authenticated connection (from the handshake): every frame carries MACs under this connection's keys.
+
+  A frame's header is followed by the MAC of (its direction's sequence
+  number, the header), so it is checked before anything acts on it; its
+  blobs are followed by the MAC of (the sequence number, the blobs), which
+  `end_frame` checks before the caller keeps anything of them. The
+  receiver reads blobs through `recv_into` or `read_blobs`, which feed that
+  MAC. The socket's other calls (settimeout, close, ...) pass through.
+
+  Args:
+    sock: the socket.
+    send_key: the key of this end's direction.
+    recv_key: the key of the other direction.
+  """
+
+  def __init__(self, sock, send_key: bytes, recv_key: bytes):
+    self.sock = sock
+    self._send_key, self._recv_key = send_key, recv_key
+    self._sent = self._got = 0
+    self._blob_mac = None
+
+  def __getattr__(self, name):  # settimeout, sendall, shutdown, fileno, getpeername ...
+    return getattr(self.sock, name)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.sock.close()
+
+  def _header_mac(self, key, seq, head):
+    return hmac.new(key, b"header" + wire.LENGTH.pack(seq) + head, hashlib.sha256).digest()
+
+  def _blobs_mac(self, key, seq):
+    return hmac.new(key, b"blobs" + wire.LENGTH.pack(seq), hashlib.sha256)
+
+  def start_frame(self, head: bytes):
+    """Sends a frame's header (the bytes `head`) and its MAC; returns the MAC its blobs feed."""
+    seq, self._sent = self._sent, self._sent + 1
+    self.sock.sendall(wire.LENGTH.pack(len(head)) + head + self._header_mac(self._send_key, seq, head))
+    return self._blobs_mac(self._send_key, seq)
+
+  def send_raw(self, head: bytes, blobs=()) -> None:
+    """Sends a frame whose header is the bytes `head` (tests send malformed ones through it)."""
+    mac = self.start_frame(head)
+    for blob in blobs:
+      mac.update(blob)
+      self.sock.sendall(blob)
+    self.sock.sendall(mac.digest())
+
+  def send(self, header: dict, blobs=()) -> None:
+    """Sends a frame: `header` (its `sizes` filled in) and `blobs`."""
+    blobs = [memoryview(b).cast("B") for b in blobs]
+    self.send_raw(json.dumps(dict(header, sizes=[b.nbytes for b in blobs])).encode(), blobs)
+
+  def send_file(self, header: dict, path: str, size: int, halfway=None) -> None:
+    """A frame whose one blob is the first `size` bytes of a file (sent by the kernel: sendfile).
+
+    Args:
+      header: the header (its `sizes` are [size]).
+      path: the file (a local copy's slot).
+      size: its bytes to send.
+      halfway: called once half of them are sent (a fault point of the tests).
+    """
+    mac = self.start_frame(json.dumps(dict(header, sizes=[size])).encode())
+    with open(path, "rb") as f:
+      for start, end in ((0, size // 2), (size // 2, size)):
+        f.seek(start)
+        left = end - start
+        while left:  # The MAC reads the page cache; the bytes go by sendfile.
+          chunk = f.read(min(left, _READ_CHUNK))
+          if not chunk:
+            raise ConnectionError(f"{path} is shorter than {size} bytes")
+          mac.update(chunk)
+          left -= len(chunk)
+        if self.sock.sendfile(f, start, end - start) != end - start:
+          raise ConnectionError(f"{path} is shorter than {size} bytes")
+        if start == 0 and halfway is not None:
+          halfway()
+    self.sock.sendall(mac.digest())
+
+  def read_header(self) -> dict | None:
+    """The next frame's header, its MAC checked, parsed but not yet checked; None when the peer closed between frames.
+
+    Raises:
+      Refused: an oversized, forged, replayed or unparsable header.
+    """
+    n = wire.read_length(self.sock)
+    if n is None:
+      return None
+    raw = bytes(wire.recv_exact(self.sock, n + _MAC))
+    head, mac = raw[:n], raw[n:]
+    seq, self._got = self._got, self._got + 1
+    if not hmac.compare_digest(mac, self._header_mac(self._recv_key, seq, head)):
+      raise wire.Refused("a frame whose MAC is not this connection's (injected, replayed or spliced)",
+                    "frame MAC")
+    self._blob_mac = self._blobs_mac(self._recv_key, seq)
+    return wire.parse_header(head)
+
+  def recv_into(self, view) -> int:
+    """Like socket.recv_into, for the current frame's blobs (they feed its MAC)."""
+    k = self.sock.recv_into(view)
+    if k:
+      self._blob_mac.update(view[:k])
+    return k
+
+  def read_blobs(self, sizes) -> list[bytearray]:
+    """The current frame's blobs, each growing as its bytes arrive (not yet authenticated: `end_frame`)."""
+    return [wire.grow_into(self.recv_into, size) for size in sizes]
+
+  def end_frame(self) -> None:
+    """Checks the MAC of the current frame's blobs (all read).
+
+    Raises:
+      Refused: they are not what the header's sender sent.
+    """
+    mac = bytes(wire.recv_exact(self.sock, _MAC))
+    expected, self._blob_mac = self._blob_mac.digest(), None
+    if not hmac.compare_digest(mac, expected):
+      raise wire.Refused("a frame whose data does not match its MAC", "frame MAC")
+
+
+class Door:
+  """Who holds a server's connection slots: strangers in their handshake go first, a worker holds a few.
+
+  Args:
+    slots: connections served at once.
+    per_peer: authenticated connections one worker may hold at once.
+  """
+
+  def __init__(self, slots: int, per_peer: int):
+    self.slots, self.per_peer = slots, per_peer
+    self._free = threading.BoundedSemaphore(slots)
+    self._lock = threading.Lock()
+    self._pending = {}  # connection -> when it was accepted, while in its handshake
+    self._authed = {}  # worker -> its authenticated connections open now
+
+  def admit(self, conn) -> bool:
+    """Takes a slot for `conn` (in its handshake), evicting the oldest stranger's when none is free."""
+    if not self._free.acquire(blocking=False):
+      if not (self._evict() and self._free.acquire(timeout=HANDSHAKE_S)):
+        return False
+    with self._lock:
+      self._pending[conn] = time.monotonic()
+    return True
+
+  def _evict(self) -> bool:
+    """Cuts the oldest connection still in its handshake (its thread then `leave`s)."""
+    with self._lock:
+      if not self._pending:
+        return False
+      conn = min(self._pending, key=self._pending.get)
+      del self._pending[conn]
+    try:
+      conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+    return True
+
+  def authenticated(self, conn, worker: int) -> None:
+    """`conn` is worker `worker`'s now (no longer evictable); call `leave(conn, worker)` after.
+
+    Raises:
+      wire.Refused: that worker holds `per_peer` connections already.
+    """
+    with self._lock:
+      self._pending.pop(conn, None)
+      self._authed[worker] = self._authed.get(worker, 0) + 1
+      if self._authed[worker] > self.per_peer:
+        raise wire.Refused(f"worker {worker} holds more than {self.per_peer} connections at "
+                           "once", "limit")
+
+  def leave(self, conn, worker: int | None = None) -> None:
+    """Frees `conn`'s slot (`worker`: whose it was, once `authenticated`)."""
+    with self._lock:
+      self._pending.pop(conn, None)
+      if worker is not None:
+        self._authed[worker] -= 1
+    self._free.release()
