@@ -250,7 +250,7 @@ free = socket.socket(); free.bind(("localhost", 0)); own = free.getsockname()[1]
 import tensorflow as tf
 from tensorflow.core.protobuf import tensorflow_server_pb2
 from tensorflow.python.eager import context
-from tfdp import heartbeat
+from tfdp.liveness import heartbeat
 spec = tf.train.ClusterSpec({"worker": [f"localhost:{own}",
                                         f"localhost:{silent.getsockname()[1]}"]})
 context.context().enable_collective_ops(tensorflow_server_pb2.ServerDef(

@@ -147,7 +147,8 @@ _KILLED_MID_FILL = r"""
 import os, signal, sys
 import tensorflow as tf
 import tfdp
-from tfdp.checkpoint import faults, slots
+from tfdp.checkpoint import faults
+from tfdp.checkpoint.local import slots
 root = sys.argv[1]
 v = tf.Variable(tf.zeros([1 << 16]))
 w = tf.Variable(tf.zeros([1 << 16], tf.int32))
