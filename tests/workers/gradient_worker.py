@@ -30,7 +30,7 @@ import sys
 import time
 
 import tfdp  # first, before TensorFlow and Keras
-import tfdp.gradients  # reset between cases
+import tfdp.gradients.settings  # reset between cases
 
 import numpy as np  # pylint: disable=g-bad-import-order,wrong-import-order
 import tensorflow as tf  # pylint: disable=g-bad-import-order,wrong-import-order
@@ -162,7 +162,7 @@ def main(out_dir, cases):
                     ops=np.array(all_reduces(model)))
     result["threads"] = _os_threads()
     np.savez(os.path.join(out_dir, f"{case}-{worker}.npz"), **result)
-    tfdp.gradients.reset()
+    tfdp.gradients.settings.reset()
     print(f"GRADIENT {case} done worker={worker}", flush=True)
 
 
