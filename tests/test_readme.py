@@ -97,12 +97,17 @@ def test_python_example_runs_and_resumes(example_runs):
 
 
 def test_quick_start_commands():
+  """The README's test commands are CI's: .ci/run runs `bash scripts/test.sh`, which passes its arguments to pytest."""
   readme = _readme()
-  assert "bash scripts/demo.sh" in readme and "bash scripts/test.sh" in readme
-  for path in ("scripts/demo.sh", "scripts/test.sh", ".ci/run"):
+  assert "`bash scripts/test.sh`" in readme and '`bash scripts/test.sh -m "not slow"`' in readme
+  for path in ("scripts/test.sh", ".ci/run"):
     assert os.path.exists(os.path.join(REPO, path)), path
   with open(os.path.join(REPO, ".ci/run"), encoding="utf-8") as f:
     assert "bash scripts/test.sh" in f.read()
+  with open(os.path.join(REPO, "scripts/test.sh"), encoding="utf-8") as f:
+    assert re.search(r"-m pytest tests/ .*\"\$@\"", f.read())
+  with open(os.path.join(REPO, "setup.cfg"), encoding="utf-8") as f:
+    assert re.search(r"^\s+slow: ", f.read(), re.M)  # the marker `-m "not slow"` leaves out
 
 
 def test_conversion_diff_is_the_examples_diff():
