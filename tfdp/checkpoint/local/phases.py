@@ -17,9 +17,10 @@ measured. The phases:
   caller's checks, this worker's own per-worker state.
 - Peer recovery: `allocate` (the receiving slot), `recv` and `land_check`
   (the bytes landing, their CRC32C as they land; on the side channel's
-  thread, kept by the copy received: tfdp.checkpoint.local.copies.Incoming), `wait` (the restore waiting for the copy, the two above inside
-  it), `commit` (the received copy made this worker's own), `send` (a
-  holder sending).
+  thread, kept by the copy received, tfdp.checkpoint.local.copies.Incoming,
+  and added to the restore's), `wait` (the restore waiting for the copy,
+  the two above inside it), `commit` (the received copy made this
+  worker's own), `send` (a holder sending).
 """
 
 import collections
