@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests import local_faults
+from tests.workers import local_faults
 from tests import tier_runs
 from tfdp.checkpoint.local import copies
 

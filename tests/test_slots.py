@@ -148,7 +148,7 @@ _KILLED_MID_FILL = r"""
 import os, signal, sys
 import tensorflow as tf
 import tfdp
-from tests import local_faults
+from tests.workers import local_faults
 from tfdp.checkpoint.local import slots
 root = sys.argv[1]
 v = tf.Variable(tf.zeros([1 << 16]))

@@ -452,7 +452,7 @@ def test_local_tier_arguments_are_checked(tmp_path):
 
 def test_a_local_save_never_waits_for_the_previous_one(run, monkeypatch):
   """Training blocks only for the snapshot: a save during the previous write waits, the newest only."""
-  from tests import local_faults  # pylint: disable=g-import-not-at-top
+  from tests.workers import local_faults  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
   release = threading.Event()
   monkeypatch.setattr(copies, "write", local_faults.before_each_copy(lambda _: release.wait(30)))
@@ -493,7 +493,7 @@ def linked(tmp_path):
 
 def _hold(monkeypatch, worker, release):
   """Holds worker `worker`'s writer before its next fills, until `release` is set."""
-  from tests import local_faults  # pylint: disable=g-import-not-at-top
+  from tests.workers import local_faults  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(copies, "write", local_faults.before_each_copy(
       lambda w: w == worker and release.wait(30)))
 
@@ -635,7 +635,7 @@ def test_a_save_missing_on_one_worker_only_never_stops_the_local_tier(linked, mo
   save waits for the one being written rather than replacing it, so a save
   goes missing on one worker only when it fails there.)
   """
-  from tests import local_faults  # pylint: disable=g-import-not-at-top
+  from tests.workers import local_faults  # pylint: disable=g-import-not-at-top
   tiers, _ = linked
   for step in (2, 4, 6):
     _save_everywhere(tiers, step)

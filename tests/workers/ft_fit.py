@@ -11,7 +11,7 @@ Usage: ft_fit.py OUT_ROOT (under tfdp-launch --max_restarts). Env:
   raises a transient read error on worker w.
 - FT_HOLDER_KILL_FROM=a: from attempt a on, a worker SIGKILLs itself in
   every peer transfer it sends, once half of the copy's bytes are out
-  (its `Channel.send_file` wrapped: tests/local_faults.py).
+  (its `Channel.send_file` wrapped: tests/workers/local_faults.py).
 - FT_SAVE_FREQ (default 100), FT_LOCAL_EVERY (default 2): the tiers (3
   persistent checkpoints kept).
 - FT_NONDETERMINISTIC=1: op determinism off, and after every step both
@@ -142,7 +142,7 @@ def _wrap_batch_end():
 def _faults():
   start = os.environ.get("FT_HOLDER_KILL_FROM")
   if start is not None and ATTEMPT >= int(start):
-    from tests import local_faults  # pylint: disable=g-import-not-at-top
+    import local_faults  # pylint: disable=g-import-not-at-top  (tests/workers/)
     from tfdp.checkpoint.local import channel  # pylint: disable=g-import-not-at-top
 
     def kill():

@@ -1,4 +1,4 @@
-"""Faults in the local tier, injected by wrapping its real functions in the test's (or a worker's) own process.
+"""Faults in the local tier, injected by wrapping its real functions in the test's (or a worker's) own process (tests/workers/ so both import it).
 
 Each function returns a wrapper of the real one: install it with
 `monkeypatch.setattr` (or assign it, in a worker process that ends with
