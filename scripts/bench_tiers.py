@@ -304,12 +304,12 @@ def _floors(prefix):
   import google_crc32c  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint.local import slots  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import slot_file  # pylint: disable=g-import-not-at-top
   record = manifest_lib.read_manifest(prefix).slot
   path = os.path.join(os.path.dirname(prefix), record.name)
   out = {}
   t = time.perf_counter()
-  mapped = slots.open_read(path, record.size)
+  mapped = slot_file.open_read(path, record.size)
   out["map"] = time.perf_counter() - t
   view = np.frombuffer(mapped, np.uint8)
   parts = [view[e.offset:e.offset + e.size] for e in record.entries]

@@ -168,7 +168,7 @@ def test_no_file_of_the_tier_is_opened_through_a_symlink(tmp_path):
   target.write_bytes(b"44 bytes of someone else's file, unchanged.")
   os.symlink(target, folder / "ckpt.slot-0")
   with pytest.raises(OSError):
-    slots.Slot(str(folder / "ckpt.slot-0")).fill([], 0)
+    slots.Slot(str(folder / "ckpt.slot-0")).fill([])
   os.symlink(target, layout_lib.atomic_tmp_path(str(folder / "record.json")))
   fs.write_atomic(str(folder / "record.json"), "{}")  # The planted temp name is replaced, not followed.
   assert target.read_bytes() == b"44 bytes of someone else's file, unchanged."

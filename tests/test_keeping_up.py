@@ -5,21 +5,21 @@ import time
 
 import pytest
 
+from tests.workers import local_faults
 from tests import tier_runs
+from tfdp.checkpoint.local import copies
 
 
 @pytest.fixture
 def linked(tmp_path):
   """The local tiers of a 2-worker job joined by real side channels (tier_runs.linked_tiers)."""
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
   tiers, _ = tier_runs.linked_tiers(str(tmp_path / "linked"))
   yield tiers
-  faults.install(None)
   for tier in tiers:
     tier.close()
 
 
-def test_writers_slower_than_the_saves_still_complete_each_step_everywhere(linked):
+def test_writers_slower_than_the_saves_still_complete_each_step_everywhere(linked, monkeypatch):
   """Each worker's writer takes longer than the steps between saves, each at its own pace.
 
   Skipping the saves that came while one was written (each worker its own)
@@ -28,10 +28,10 @@ def test_writers_slower_than_the_saves_still_complete_each_step_everywhere(linke
   14 for a kill at 27). A save now waits for the one being written, so each
   step is complete on every worker at most one save later.
   """
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
   tiers = linked
   pace = {0: 0.02, 1: 0.05}  # Seconds each worker's writer takes per copy.
-  faults.install(lambda phase, worker: phase == "before_shard" and time.sleep(pace[worker]))
+  monkeypatch.setattr(copies, "write", local_faults.before_each_copy(
+      lambda worker: time.sleep(pace[worker])))
   lags, every = [], tier_runs.LOCAL_EVERY
   for step in range(every, 41, every):
     # Both workers save at the same step, as training does (each from its own thread).

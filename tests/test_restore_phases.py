@@ -12,8 +12,7 @@ from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.local import tier as local_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint import recovery
-from tfdp.checkpoint.local import phases as restore_phases
-from tfdp.checkpoint.local import slots
+from tfdp.checkpoint.format import slot_file
 
 
 class _Link:
@@ -46,8 +45,8 @@ def _received(tmp_path):
 
 def _counting(monkeypatch):
   checked = []
-  real = slots.crc_of
-  monkeypatch.setattr(slots, "crc_of", lambda e, data: checked.append(e.key) or real(e, data))
+  real = slot_file.crc_of
+  monkeypatch.setattr(slot_file, "crc_of", lambda e, data: checked.append(e.key) or real(e, data))
   return checked
 
 
@@ -61,14 +60,13 @@ def test_a_copy_received_from_a_peer_is_not_checked_again_before_it_is_assigned(
   receiver.link = _Link(offer)
   checked = _counting(monkeypatch)
   choice = recovery.Choice("peer", 7, (0,))
-  restore_phases.take()
   assert restore._transfer(choice, None, [1], ["copy"], None, {}) == recovery.OK  # pylint: disable=protected-access
   (held,) = receiver.held()
   numeric = {e.key for e in held.manifest.slot.entries if e.dtype != "string"}
   assert len(numeric) == len(state) and not numeric & set(checked), checked
   for key, value in state.items():
     _same(fresh[key], value, key)
-  phases = restore_phases.take()
+  phases = restore.phases.take()
   assert {"wait", "commit", "index", "map", "views", "tensors", "assign"} <= set(phases), phases
   assert "check" in phases  # The loop ran, over no fixed-size tensor.
   # The same copy restored as a local copy (a restart): every tensor checked.

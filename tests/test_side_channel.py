@@ -132,13 +132,13 @@ def test_a_worker_proves_the_secret_and_checks_the_servers_proof(tiers, tmp_path
   other, _ = tier_runs.linked_tiers(str(tmp_path / "other"))
   try:
     stranger = other[0].link
-    stranger._peers = tiers[0].link._peers  # pylint: disable=protected-access
+    stranger._sends.peers = tiers[0].link._sends.peers  # pylint: disable=protected-access
     with pytest.raises(ConnectionError):  # tiers[1] drops it before its proof.
       stranger._connect(1)  # pylint: disable=protected-access
   finally:
     for tier in other:
       tier.close()
-  tiers[0].link._peers[1] = ("localhost", _impostor())  # pylint: disable=protected-access
+  tiers[0].link._sends.peers[1] = ("localhost", _impostor())  # pylint: disable=protected-access
   with pytest.raises(ConnectionError, match="not a worker of this job"):
     tiers[0].link._connect(1)  # pylint: disable=protected-access
   tier_runs.save_local(tiers[0], 2)  # Its state is not sent to the impostor: not kept anywhere.
@@ -263,7 +263,7 @@ def _bounce(link, fake_index=None):
 
   def serve():
     victim, _ = server.accept()
-    with victim, socket.create_connection(link._peers[0]) as back:  # pylint: disable=protected-access
+    with victim, socket.create_connection(link._sends.peers[0]) as back:  # pylint: disable=protected-access
       hello = bytearray(wire.recv_exact(back, channel.HELLO_BYTES))
       if fake_index is not None:
         hello[len(channel.MAGIC):len(channel.MAGIC) + 4] = struct.pack("<I", fake_index)
@@ -292,9 +292,9 @@ def _bounce(link, fake_index=None):
 def test_a_workers_own_hello_reflected_back_to_it_is_refused(tiers, fake_index):
   """Nothing sent, nothing accepted, no step voided: the job's next save is complete everywhere."""
   link = tiers[0].link
-  real = link._peers[1]  # pylint: disable=protected-access
+  real = link._sends.peers[1]  # pylint: disable=protected-access
   port, seen, thread = _bounce(link, fake_index)
-  link._peers[1] = ("localhost", port)  # pylint: disable=protected-access
+  link._sends.peers[1] = ("localhost", port)  # pylint: disable=protected-access
   refused = link.refusals.count
   tier_runs.save_local(tiers[0], 2)  # Its state and its DONE go to the impostor.
   thread.join(10)
@@ -304,8 +304,8 @@ def test_a_workers_own_hello_reflected_back_to_it_is_refused(tiers, fake_index):
     assert seen == {"client": "answered", "server": "proof of 0 bytes"}, seen
     assert link.refusals.count == refused + 1
   assert tiers[1].kept_for_left() == [] and tiers[0].generations.floor is None
-  link._peers[1] = real  # pylint: disable=protected-access
-  link._down_until.clear()  # pylint: disable=protected-access
+  link._sends.peers[1] = real  # pylint: disable=protected-access
+  link._sends._down_until.clear()  # pylint: disable=protected-access
   for tier in tiers:
     tier_runs.save_local(tier, 4)
   assert tiers[0].generations.floor == 4 and tiers[1].generations.floor == 4
@@ -314,7 +314,7 @@ def test_a_workers_own_hello_reflected_back_to_it_is_refused(tiers, fake_index):
 def test_a_server_refuses_a_client_claiming_its_own_index(tiers):
   """Even with the job's secret: worker 0 cannot be its own client (a reflected handshake)."""
   link = tiers[0].link
-  with socket.create_connection(link._peers[0]) as sock:  # pylint: disable=protected-access
+  with socket.create_connection(link._sends.peers[0]) as sock:  # pylint: disable=protected-access
     with pytest.raises(ConnectionError):
       channel.client_handshake(sock, link._secret, 0, 0)  # pylint: disable=protected-access
   time.sleep(0.2)
@@ -352,9 +352,9 @@ def test_trickling_strangers_holding_every_slot_keep_no_worker_out(tiers):
     time.sleep(1.0)  # Every slot is the stranger's now.
     for step in (2, 4):
       for tier in tiers:  # New connections each time (as after a worker's restart).
-        for sock in list(tier.link._out.values()):  # pylint: disable=protected-access
+        for sock in list(tier.link._sends._out.values()):  # pylint: disable=protected-access
           sock.close()
-        tier.link._out.clear()  # pylint: disable=protected-access
+        tier.link._sends._out.clear()  # pylint: disable=protected-access
       for tier in tiers:
         tier_runs.save_local(tier, step)
       assert tiers[0].kept_for_left()[-1] == step and tiers[1].kept_for_left()[-1] == step

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tests import shared
 from tests.conftest import REPO
+from tfdp.checkpoint.format import slot_file
 from tfdp.checkpoint.local import bundle
 from tfdp.checkpoint.local import slots
 
@@ -46,7 +47,7 @@ def _same(got, value, key):
 
 def _fill(path, values=VALUES):
   slot = slots.Slot(str(path))
-  entries, used = slot.fill([slots.source(k, v) for k, v in values.items()], 0)
+  entries, used = slot.fill([slots.source(k, v) for k, v in values.items()])
   return slot, entries, used
 
 
@@ -54,7 +55,7 @@ def test_every_dtype_comes_back_bitwise_from_the_slot_and_through_tfs_own_reader
   """-0.0, NaN payloads, bfloat16, empty tensors, strings: read by tfdp, and by TF via an index."""
   slot, entries, used = _fill(tmp_path / "ckpt.slot-0")
   assert all(e.offset % 64 == 0 for e in entries)
-  got = slots.read(slot.path, entries, used)
+  got = slot_file.read(slot.path, entries, used)
   for key, value in VALUES.items():
     _same(got[key], value, key)
   prefix = str(tmp_path / "ckpt-3")
@@ -76,13 +77,13 @@ def test_a_flipped_byte_is_named_by_its_tensor_for_tfdp_and_for_tf(tmp_path):
       f.seek(e.offset + e.size - 1)
       f.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(Exception, match=f"tensor '{key}' does not match its CRC32C"):
-      slots.read(slot.path, entries, used)
+      slot_file.read(slot.path, entries, used)
     with pytest.raises(tf.errors.OpError, match="Checksum does not match|checksum"):
       tf.train.load_checkpoint(prefix).get_tensor(key)
     with open(slot.path, "r+b") as f:
       f.seek(e.offset + e.size - 1)
       f.write(byte)
-  slots.read(slot.path, entries, used)
+  slot_file.read(slot.path, entries, used)
 
 
 def test_offsets_stay_fixed_and_an_unchanged_string_object_is_not_written_again(tmp_path, monkeypatch):
@@ -94,10 +95,10 @@ def test_offsets_stay_fixed_and_an_unchanged_string_object_is_not_written_again(
   monkeypatch.setattr(slots.Slot, "_write", lambda self, s, off: written.append(s.key) or real(
       self, s, off))
   again = dict(values, w=tf.zeros([1000]), json=tf.constant(b'{"a": 1}'))
-  second, used = slot.fill([slots.source(k, v) for k, v in again.items()], 0)
+  second, used = slot.fill([slots.source(k, v) for k, v in again.items()])
   assert [e.offset for e in first] == [e.offset for e in second]
   assert sorted(written) == ["json", "w"]
-  got = slots.read(slot.path, second, used)
+  got = slot_file.read(slot.path, second, used)
   assert got["pos"] == b"p" * 100_000 and got["json"] == b'{"a": 1}' and not got["w"].any()
 
 
@@ -109,13 +110,13 @@ def test_bytes_received_from_a_socket_are_checked_as_they_land(tmp_path):
     a, b = socket.socketpair()
     threading.Thread(target=lambda: (a.sendall(data), a.close()), daemon=True).start()
     try:
-      slots.receive(b.recv_into, target.writable(used), entries)
+      slot_file.receive(b.recv_into, target.writable(used), entries)
     finally:
       b.close()
 
   raw = bytearray(open(slot.path, "rb").read()[:used])
   send(bytes(raw))
-  got = slots.read(target.path, entries, used)
+  got = slot_file.read(target.path, entries, used)
   for key, value in VALUES.items():
     _same(got[key], value, key)
   e = next(e for e in entries if e.key == "i32")
@@ -130,24 +131,24 @@ def test_bytes_received_from_a_socket_are_checked_as_they_land(tmp_path):
 def test_records_of_any_shape_that_do_not_describe_the_bytes_are_refused():
   from tfdp.checkpoint.format.manifest import SlotTensor  # pylint: disable=g-import-not-at-top
   good = SlotTensor("a", "float32", [2], 0, 8, 0)
-  slots.check_entries([good], 8)
+  slot_file.check_entries([good], 8)
   for bad in (dict(dtype="resource"), dict(dtype=None), dict(shape=[3]), dict(shape="2"),
               dict(offset=4), dict(offset=-8), dict(size=8.0), dict(crc32c=2 ** 32),
               dict(key=""), dict(key=7), dict(shape=[True, 2])):
     fields = dict(vars(good), **bad)
     with pytest.raises(ValueError):
-      slots.check_entries([SlotTensor(**fields)], 8)
+      slot_file.check_entries([SlotTensor(**fields)], 8)
   with pytest.raises(ValueError, match="overlap"):
-    slots.check_entries([good, SlotTensor("b", "float32", [1], 4, 4, 0)], 8)
+    slot_file.check_entries([good, SlotTensor("b", "float32", [1], 4, 4, 0)], 8)
   with pytest.raises(ValueError, match="distinct"):
-    slots.check_entries([good, SlotTensor("a", "float32", [0], 8, 0, 0)], 8)
+    slot_file.check_entries([good, SlotTensor("a", "float32", [0], 8, 0, 0)], 8)
 
 
 _KILLED_MID_FILL = r"""
 import os, signal, sys
 import tensorflow as tf
 import tfdp
-from tfdp.checkpoint import faults
+from tests.workers import local_faults
 from tfdp.checkpoint.local import slots
 root = sys.argv[1]
 v = tf.Variable(tf.zeros([1 << 16]))
@@ -160,8 +161,7 @@ for i in range(1, 7):
   v.assign_add(tf.fill([1 << 16], float(i) / 3))
   w.assign_add(tf.fill([1 << 16], i))
   if i == 6:  # The writer thread dies half way through filling the slot of step 4.
-    faults.install(lambda phase, _: phase == slots.FILL_FAULT and os.kill(os.getpid(),
-                                                                          signal.SIGKILL))
+    slots.Slot._write = local_faults.kill_after_tensors(2)
   manager.save_local(i)
   manager.sync()
 """
@@ -169,7 +169,7 @@ for i in range(1, 7):
 
 @pytest.mark.slow
 def test_a_writer_killed_in_the_middle_of_a_fill_leaves_the_other_slot_to_restore(tmp_path):
-  """SIGKILL at the fill's fault point: the restart restores step 5 from the other slot, bitwise."""
+  """SIGKILL after two tensors of the fill (its `Slot._write` wrapped): the restart restores step 5 from the other slot, bitwise."""
   proc = subprocess.run([sys.executable, "-c", _KILLED_MID_FILL, str(tmp_path)], cwd=REPO,
                         env=shared.environ(TF_CPP_MIN_LOG_LEVEL="2"), timeout=120,
                         capture_output=True, text=True, check=False)

@@ -84,10 +84,14 @@ def _send(tier, held, offer):
   """The holder's slot over a real socket (sendfile), into the receiver's slot."""
   path, size = tier.send_of(held)
   a, b = socket.socketpair()
-  sender = threading.Thread(target=lambda: (wire.send_file(a, {}, path, size), a.close()))
+
+  def send():
+    with open(path, "rb") as f, a:
+      a.sendfile(f, 0, size)
+
+  sender = threading.Thread(target=send)
   sender.start()
   try:
-    assert wire.read_header(b)["sizes"] == [size]
     offer.receive(b)
   finally:
     sender.join()
@@ -415,7 +419,7 @@ def test_a_replaced_host_finds_a_step_held_everywhere_though_its_sends_failed(tm
     for step in (20, 22):
       for tier in tiers:
         tier_runs.save_local(tier, step)
-    tiers[1].link._out[0].shutdown(2)  # pylint: disable=protected-access
+    tiers[1].link._sends._out[0].shutdown(2)  # pylint: disable=protected-access
     for step in (24, 26, 28):
       for tier in tiers:
         tier_runs.save_local(tier, step)
@@ -446,19 +450,18 @@ def test_local_tier_arguments_are_checked(tmp_path):
   local.drop_local()
 
 
-def test_a_local_save_never_waits_for_the_previous_one(run):
+def test_a_local_save_never_waits_for_the_previous_one(run, monkeypatch):
   """Training blocks only for the snapshot: a save during the previous write waits, the newest only."""
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  from tests.workers import local_faults  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
   release = threading.Event()
-  faults.install(lambda phase, worker: phase == "before_shard" and release.wait(30))
+  monkeypatch.setattr(copies, "write", local_faults.before_each_copy(lambda _: release.wait(30)))
   try:
     for step in (3, 4, 5):
       assert run.manager.save_local(step).endswith(f"ckpt-{step}")
     assert run.manager.local_saves_skipped == 1  # 4: 5 came while it waited.
   finally:
     release.set()
-    faults.install(None)
   run.manager.sync()
   assert [os.path.basename(p) for p in run.manager.local_checkpoints()] == ["ckpt-3", "ckpt-5"]
 
@@ -480,20 +483,19 @@ def _held_everywhere(tiers):
 def linked(tmp_path):
   """(the local tiers of a 2-worker job joined by real side channels, an Event that `_hold` waits for)."""
   from tests import tier_runs  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
   tiers, _ = tier_runs.linked_tiers(str(tmp_path / "linked"))
   release = threading.Event()
   yield tiers, release
-  faults.install(None)
   release.set()
   for tier in tiers:
     tier.close()
 
 
-def _hold(worker, release):
+def _hold(monkeypatch, worker, release):
   """Holds worker `worker`'s writer before its next fills, until `release` is set."""
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
-  faults.install(lambda phase, w: phase == "before_shard" and w == worker and release.wait(30))
+  from tests.workers import local_faults  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(copies, "write", local_faults.before_each_copy(
+      lambda w: w == worker and release.wait(30)))
 
 
 def test_a_slot_whose_step_may_still_become_complete_everywhere_is_not_overwritten(tmp_path):
@@ -562,7 +564,7 @@ def test_a_copy_received_at_a_restore_never_lands_on_the_step_it_falls_back_to(t
   The bytes of 6 go over 4: 2, what every worker falls back to, is intact.
   """
   from tests import tier_runs  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint.local import slots  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import slot_file  # pylint: disable=g-import-not-at-top
   rows = [_row(None, (6, 0), (2, 0)), _row(None, (4, 0), (2, 0))]
   assert recovery.choose(rows) == recovery.Choice("peer", 6, (0,))
   assert recovery.fallback(rows, 6) == 2 and recovery.fallback(rows, 2) is None
@@ -588,7 +590,7 @@ def test_a_copy_received_at_a_restore_never_lands_on_the_step_it_falls_back_to(t
       offer.receive(b)
     b.close()
     (kept,) = receiver.held()
-    got = slots.read(receiver.layout.slot(copies.slot_index(receiver.layout, kept.manifest)),
+    got = slot_file.read(receiver.layout.slot(copies.slot_index(receiver.layout, kept.manifest)),
                      kept.manifest.slot.entries, kept.manifest.slot.size)
     assert kept.step == 2 and got["v"].tolist() == [2.0] * 4
   finally:
@@ -596,7 +598,7 @@ def test_a_copy_received_at_a_restore_never_lands_on_the_step_it_falls_back_to(t
     receiver.close()
 
 
-def test_a_late_report_makes_a_save_wait_and_never_stops_the_local_tier(linked):
+def test_a_late_report_makes_a_save_wait_and_never_stops_the_local_tier(linked, monkeypatch):
   """Both hold 2; worker 1 writes 4 late, after worker 0's save of 6 came (so 2 is still the floor there).
 
   Had worker 0 skipped 6 (it waited 1 s for 4 to be complete), worker 1
@@ -607,7 +609,7 @@ def test_a_late_report_makes_a_save_wait_and_never_stops_the_local_tier(linked):
   from tests import tier_runs  # pylint: disable=g-import-not-at-top
   tiers, release = linked
   _save_everywhere(tiers, 2)
-  _hold(1, release)
+  _hold(monkeypatch, 1, release)
   tier_runs.save_local(tiers[1], 4, wait=False)
   tier_runs.save_local(tiers[0], 4)
   tier_runs.save_local(tiers[0], 6, wait=False)  # 2 is the floor: the older slot stays.
@@ -623,7 +625,7 @@ def test_a_late_report_makes_a_save_wait_and_never_stops_the_local_tier(linked):
   assert [t.skipped for t in tiers] == [0, 0] and [t.generations.floor for t in tiers] == [10, 10]
 
 
-def test_a_save_missing_on_one_worker_only_never_stops_the_local_tier(linked):
+def test_a_save_missing_on_one_worker_only_never_stops_the_local_tier(linked, monkeypatch):
   """Worker 0's save of 8 fails (a save skipped or lost on one worker): worker 1 holds 8, worker 0 does not.
 
   8 can never be complete. Once worker 0 reports 10, worker 1 knows it (a
@@ -633,19 +635,18 @@ def test_a_save_missing_on_one_worker_only_never_stops_the_local_tier(linked):
   save waits for the one being written rather than replacing it, so a save
   goes missing on one worker only when it fails there.)
   """
-  from tests import tier_runs  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  from tests.workers import local_faults  # pylint: disable=g-import-not-at-top
   tiers, _ = linked
   for step in (2, 4, 6):
     _save_everywhere(tiers, step)
   fills = []
 
-  def fail_the_next_fill(phase, worker):
-    if phase == "before_shard" and worker == 0 and not fills:
-      fills.append(phase)
+  def fail_the_next_fill(worker):
+    if worker == 0 and not fills:
+      fills.append(worker)
       raise OSError("injected: worker 0's save of step 8 fails")
 
-  faults.install(fail_the_next_fill)
+  monkeypatch.setattr(copies, "write", local_faults.before_each_copy(fail_the_next_fill))
   _save_everywhere(tiers, 8)
   # Worker 0 let 4's record go before the fill that failed (a torn slot never wins).
   assert fills and _held_everywhere(tiers) == [[6], [8, 6]]

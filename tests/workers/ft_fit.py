@@ -9,8 +9,9 @@ Usage: ft_fit.py OUT_ROOT (under tfdp-launch --max_restarts). Env:
   malformed frames on an authenticated connection), worker 1 then checks
   its tier; {"read_error": w, "ckpt": n}: restoring persistent ckpt-n
   raises a transient read error on worker w.
-- FT_HOLDER_KILL_FROM=a: from attempt a on, worker 0 SIGKILLs itself in
-  every peer transfer it sends, once the copy's first file is out.
+- FT_HOLDER_KILL_FROM=a: from attempt a on, a worker SIGKILLs itself in
+  every peer transfer it sends, once half of the copy's bytes are out
+  (its `Channel.send_file` wrapped: tests/workers/local_faults.py).
 - FT_SAVE_FREQ (default 100), FT_LOCAL_EVERY (default 2): the tiers (3
   persistent checkpoints kept).
 - FT_NONDETERMINISTIC=1: op determinism off, and after every step both
@@ -55,7 +56,7 @@ def _attack(backup):
   link = backup.manager._local.link  # pylint: disable=protected-access
   folder = os.path.join(OUT, "attack")
   os.makedirs(folder, exist_ok=True)
-  targets = [f"{h}:{p}" for h, p in link._peers]  # pylint: disable=protected-access
+  targets = [f"{h}:{p}" for h, p in link._sends.peers]  # pylint: disable=protected-access
   proc = subprocess.run([sys.executable, ft_stranger.__file__, os.path.join(folder, "stranger.json"),
                          os.path.join(OUT, "escaped")] + targets, timeout=120, check=False,
                         capture_output=True, text=True)
@@ -139,15 +140,17 @@ def _wrap_batch_end():
 
 
 def _faults():
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint.local import peers  # pylint: disable=g-import-not-at-top
   start = os.environ.get("FT_HOLDER_KILL_FROM")
   if start is not None and ATTEMPT >= int(start):
-    def hook(phase, worker):
-      if phase == peers.TRANSFER_FAULT and worker == ME:
-        say("SIGKILL during a peer transfer it sends")
-        os.kill(os.getpid(), signal.SIGKILL)
-    faults.install(hook)
+    import local_faults  # pylint: disable=g-import-not-at-top  (tests/workers/)
+    from tfdp.checkpoint.local import channel  # pylint: disable=g-import-not-at-top
+
+    def kill():
+      say("SIGKILL during a peer transfer it sends")
+      os.kill(os.getpid(), signal.SIGKILL)
+
+    # Half of the copy's bytes go out, then this process dies (only a holder sends copies).
+    channel.Channel.send_file = local_faults.half_then(kill)
   if EVENT.get("read_error") == ME:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdp.checkpoint import restore  # pylint: disable=g-import-not-at-top

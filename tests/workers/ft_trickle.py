@@ -27,7 +27,7 @@ def _wrap_train():
     begin(self, logs)
     link = self.manager._local.link  # pylint: disable=protected-access
     if ft_fit.ME == 0:
-      held["trickle"] = ft_stranger.Trickle(link._peers, peers.max_connections(2))  # pylint: disable=protected-access
+      held["trickle"] = ft_stranger.Trickle(link._sends.peers, peers.max_connections(2))  # pylint: disable=protected-access
 
   def on_train_end(self, logs=None):
     tier = self.manager._local  # pylint: disable=protected-access

@@ -12,7 +12,7 @@ from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.local import generations
 from tfdp.checkpoint.local import tier as local_lib
 from tfdp.checkpoint import restore as restore_lib
-from tfdp.checkpoint.local import phases as restore_phases
+from tfdp.checkpoint.local import phases as phases_lib
 from tfdp.checkpoint.local import wire
 
 SLOTS = generations.MAX_KEEP  # Own copies and kept states each worker offers.
@@ -186,10 +186,14 @@ class TieredRestore:
     check_model: `fn(prefix)` raising IncompatibleCheckpointError for a copy
       of another model (`Restorer.check_model`), before anything is
       assigned; else its `model_match.ModelMatch` (None: TF's keys).
+    phases: where the seconds of each phase are added
+      (tfdp.checkpoint.local.phases; None: a new one, `self.phases`).
   """
 
   def __init__(self, checkpoint, tier: local_lib.LocalTier, me: cluster.Worker,
-               restore_per_worker, before_apply=lambda: None, check_model=lambda prefix: None):
+               restore_per_worker, before_apply=lambda: None, check_model=lambda prefix: None,
+               phases: phases_lib.PhaseTimes | None = None):
+    self.phases = phases if phases is not None else phases_lib.PhaseTimes()
     self._checkpoint = checkpoint
     self._tier = tier
     self._me = me
@@ -212,12 +216,12 @@ class TieredRestore:
       self.tried.append("a peer recovery that an earlier attempt did not finish")
     # Each failed round deletes a step's copies: bounded by what is held.
     for _ in range(2 * SLOTS + 2):
-      with restore_phases.timed("held"):
+      with self.phases.timed("held"):
         held = tier.held()
       link = tier.link is not None and tier.link.open
       row = offer(held, persistent_step, tier.kept_for_left(), no_peer=no_peer,
                   link=link or self._me.count == 1)
-      with restore_phases.timed("agree"):
+      with self.phases.timed("agree"):
         table = cluster.gather(row, self._me.strategy)
       choice = choose(table)
       if choice.kind == "persistent":
@@ -264,7 +268,7 @@ class TieredRestore:
     try:
       if me == choice.holders[0]:
         for w in missing:
-          with restore_phases.timed("send"):
+          with self.phases.timed("send"):
             link.send_copy(w, choice.step, mine.manifest.to_json(), *tier.send_of(mine))
       if choice.per_worker:
         for w in missing:
@@ -280,10 +284,11 @@ class TieredRestore:
         header, blobs = link.wait(waits[1])
         own = wire.tensors_from_wire(header, blobs)
       seconds["transfer"] = time.perf_counter() - start
-      restore_phases.add("wait", seconds["transfer"])
+      self.phases.add("wait", seconds["transfer"])
+      self.phases.merge(offered.times)
       self._received = tier.receive(choice.step, offered, own)
       seconds["write"] = time.perf_counter() - start - seconds["transfer"]
-      restore_phases.add("commit", seconds["write"])
+      self.phases.add("commit", seconds["write"])
       outcome = self._restore(self._received, before_restore, per_worker=choice.per_worker,
                               received=True)
       seconds["restore"] = time.perf_counter() - start - sum(seconds.values())
@@ -304,13 +309,13 @@ class TieredRestore:
     """
     layout = self._tier.layout
     try:
-      with restore_phases.timed("index"):
+      with self.phases.timed("index"):
         copies.readable(layout, held.prefix, held.manifest)
     except (OSError, TypeError, ValueError) as e:
       logging.warning("tfdp: could not restore the local checkpoint %s: %s", held.prefix, e)
       return FAILED
     try:
-      with restore_phases.timed("before_restore"):
+      with self.phases.timed("before_restore"):
         if before_restore is not None:
           before_restore(held.prefix)
         match = self._check_model(held.prefix)
@@ -324,14 +329,14 @@ class TieredRestore:
     try:
       if match is None or match.exact:
         tensors = copies.restore(self._checkpoint, layout, held.prefix, held.manifest, applying,
-                                 received=received)
+                                 received=received, times=self.phases)
         reader = copies.per_worker_reader(tensors)
       else:  # Through TF's reader of the copy (its index), under the checkpoint's keys.
         applying()
         restore_lib.restore_matched(self._checkpoint, held.prefix, held.manifest, match)
         reader = None
       if per_worker:
-        with restore_phases.timed("per_worker"):
+        with self.phases.timed("per_worker"):
           self._restore_per_worker(held.prefix, held.manifest, reader)
       return OK
     except Exception as e:  # pylint: disable=broad-except
@@ -340,7 +345,7 @@ class TieredRestore:
 
   def _agree(self, outcome):
     """(The worst outcome of any worker, the workers where it failed); a refusal is raised everywhere."""
-    with restore_phases.timed("agree"):
+    with self.phases.timed("agree"):
       codes = cluster.gather([outcome], self._me.strategy)[:, 0]
     worst = int(codes.max())
     if worst == REFUSED:

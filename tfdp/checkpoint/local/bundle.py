@@ -1,6 +1,6 @@
 """A TensorFlow tensor-bundle index over a local copy's slot, so that TF's own reader reads the copy.
 
-A slot holds its tensors as a bundle's data file holds them (tfdp.checkpoint.local.slots),
+A slot holds its tensors as a bundle's data file holds them (tfdp.checkpoint.format.slot_file),
 so an index (a table of BundleEntryProto: dtype, shape, offset, size, masked
 CRC32C) plus the data file's name, a symlink to the slot, make a standard
 checkpoint: `tf.train.load_checkpoint` and `tf.train.Checkpoint.restore`
@@ -17,14 +17,13 @@ import os
 import struct
 
 import google_crc32c
-import tensorflow as tf
 from tensorflow.core.framework import tensor_shape_pb2
 from tensorflow.core.framework import versions_pb2
 from tensorflow.core.protobuf import tensor_bundle_pb2
 
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import private
-from tfdp.checkpoint.local import slots
+from tfdp.checkpoint.format import slot_file
 
 _MAGIC = 0xDB4775248B80FB57
 _NO_COMPRESSION = b"\x00"
@@ -36,7 +35,7 @@ def _block(pairs) -> bytes:
   body, restarts = bytearray(), []
   for key, value in pairs:
     restarts.append(len(body))
-    body += slots.varint(0) + slots.varint(len(key)) + slots.varint(len(value)) + key + value
+    body += slot_file.varint(0) + slot_file.varint(len(key)) + slot_file.varint(len(value)) + key + value
   restarts = restarts or [0]
   return bytes(body) + struct.pack(f"<{len(restarts)}I", *restarts) + struct.pack(
       "<I", len(restarts))
@@ -44,9 +43,9 @@ def _block(pairs) -> bytes:
 
 def _framed(out: bytearray, block: bytes) -> bytes:
   """Appends `block` and its trailer to `out`; returns its handle (offset, size)."""
-  handle = slots.varint(len(out)) + slots.varint(len(block))
+  handle = slot_file.varint(len(out)) + slot_file.varint(len(block))
   crc = google_crc32c.extend(google_crc32c.value(block), _NO_COMPRESSION)
-  out += block + _NO_COMPRESSION + struct.pack("<I", slots.mask(crc))
+  out += block + _NO_COMPRESSION + struct.pack("<I", slot_file.mask(crc))
   return handle
 
 
@@ -58,10 +57,10 @@ def index_bytes(entries) -> bytes:
   pairs = [(b"", header.SerializeToString())]
   for e in sorted(entries, key=lambda e: e.key.encode()):
     proto = tensor_bundle_pb2.BundleEntryProto(
-        dtype=slots.DTYPES[e.dtype].as_datatype_enum,
+        dtype=slot_file.DTYPES[e.dtype].as_datatype_enum,
         shape=tensor_shape_pb2.TensorShapeProto(
             dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in e.shape]),
-        shard_id=0, offset=e.offset, size=e.size, crc32c=slots.mask(e.crc32c))
+        shard_id=0, offset=e.offset, size=e.size, crc32c=slot_file.mask(e.crc32c))
     pairs.append((e.key.encode(), proto.SerializeToString()))
   out = bytearray()
   data = _framed(out, _block(pairs))
@@ -86,11 +85,3 @@ def write(prefix: str, slot_path: str, entries) -> None:
   os.symlink(os.path.basename(slot_path), link)
   os.replace(link, data)
 
-
-def readable(prefix: str) -> bool:
-  """Whether TF's reader opens checkpoint `prefix` (e.g. after `write`)."""
-  try:
-    tf.train.load_checkpoint(prefix)
-    return True
-  except (tf.errors.OpError, ValueError):
-    return False

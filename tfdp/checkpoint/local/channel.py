@@ -24,6 +24,8 @@ import struct
 import threading
 import time
 
+from absl import logging
+
 from tfdp.checkpoint.local import wire
 
 MAGIC = b"tfdp-peer-v2"
@@ -176,30 +178,25 @@ class Channel:
     blobs = [memoryview(b).cast("B") for b in blobs]
     self.send_raw(json.dumps(dict(header, sizes=[b.nbytes for b in blobs])).encode(), blobs)
 
-  def send_file(self, header: dict, path: str, size: int, halfway=None) -> None:
+  def send_file(self, header: dict, path: str, size: int) -> None:
     """A frame whose one blob is the first `size` bytes of a file (sent by the kernel: sendfile).
 
     Args:
       header: the header (its `sizes` are [size]).
       path: the file (a local copy's slot).
       size: its bytes to send.
-      halfway: called once half of them are sent (a fault point of the tests).
     """
     mac = self.start_frame(json.dumps(dict(header, sizes=[size])).encode())
     with open(path, "rb") as f:
-      for start, end in ((0, size // 2), (size // 2, size)):
-        f.seek(start)
-        left = end - start
-        while left:  # The MAC reads the page cache; the bytes go by sendfile.
-          chunk = f.read(min(left, _READ_CHUNK))
-          if not chunk:
-            raise ConnectionError(f"{path} is shorter than {size} bytes")
-          mac.update(chunk)
-          left -= len(chunk)
-        if self.sock.sendfile(f, start, end - start) != end - start:
+      at = 0
+      while at < size:  # The MAC reads the page cache; the bytes go by sendfile, chunk by chunk.
+        chunk = f.read(min(size - at, _READ_CHUNK))
+        if not chunk:
           raise ConnectionError(f"{path} is shorter than {size} bytes")
-        if start == 0 and halfway is not None:
-          halfway()
+        mac.update(chunk)
+        if self.sock.sendfile(f, at, len(chunk)) != len(chunk):
+          raise ConnectionError(f"{path} is shorter than {size} bytes")
+        at += len(chunk)
     self.sock.sendall(mac.digest())
 
   def read_header(self) -> dict | None:
@@ -241,6 +238,25 @@ class Channel:
     expected, self._blob_mac = self._blob_mac.digest(), None
     if not hmac.compare_digest(mac, expected):
       raise wire.Refused("a frame whose data does not match its MAC", "frame MAC")
+
+
+class Refusals:
+  """Dropped connections and frames: the first of each kind is logged, all are counted."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._seen = set()
+    self.count = 0
+
+  def note(self, where, error: wire.Refused) -> None:
+    with self._lock:
+      self.count += 1
+      first = error.key not in self._seen
+      self._seen.add(error.key)
+    if first:
+      logging.warning("tfdp: the local tier's side channel dropped a connection from %s: %s. "
+                      "Nothing of it was written; the job goes on (more of this kind are "
+                      "dropped without a line).", where, error)
 
 
 class Door:

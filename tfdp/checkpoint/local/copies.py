@@ -21,11 +21,11 @@ import numpy as np
 from tfdp import errors
 from tfdp.checkpoint.local import bundle
 from tfdp.checkpoint.persistent import catalog
-from tfdp.checkpoint import faults
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
-from tfdp.checkpoint.local import phases as restore_phases
+from tfdp.checkpoint.format import slot_file
+from tfdp.checkpoint.local import phases as phases_lib
 from tfdp.checkpoint.local import slots
 from tfdp.checkpoint.persistent import writer as storage
 from tfdp.checkpoint.local import wire
@@ -54,17 +54,14 @@ def write(slot: slots.Slot, prefix: str, items, base: manifest_lib.Manifest, wor
       their bytes are in the slot, so the aliases of the variables go (the
       next update then copies nothing).
     base: the manifest's fields known before the write (what, whose).
-    worker: the writer's index in the job (named to fault hooks).
+    worker: the writer's index in the job (named to the commit).
     sequence: this worker's count of copies (the newest record of a slot wins).
 
   Returns:
     The committed manifest.
   """
-  faults.reached("before_shard", worker)
-  entries, used = slot.fill(_sources(items), worker)
+  entries, used = slot.fill(_sources(items))
   items.clear()
-  for phase in ("after_shard", "after_marker"):  # One writer: no marker to wait for.
-    faults.reached(phase, worker)
   return _commit(slot, prefix, base, entries, used, worker, sequence)
 
 
@@ -93,7 +90,7 @@ def check(layout: layout_lib.Layout, prefix: str, man: manifest_lib.Manifest) ->
   if k is None:
     raise errors.CorruptCheckpointError(f"{prefix}: not a copy in a slot of {layout.directory}")
   try:
-    slots.check_entries(man.slot.entries, man.slot.size)
+    slot_file.check_entries(man.slot.entries, man.slot.size)
   except ValueError as e:
     raise errors.CorruptCheckpointError(f"{prefix}: its record is malformed: {e}") from None
   path = layout.slot(k)
@@ -110,7 +107,7 @@ def readable(layout: layout_lib.Layout, prefix: str, man: manifest_lib.Manifest)
 
 
 def restore(checkpoint, layout: layout_lib.Layout, prefix: str, man: manifest_lib.Manifest,
-            applying=None, received: bool = False) -> dict:
+            applying=None, received: bool = False, times=None) -> dict:
   """Restores copy `prefix` into `checkpoint`: maps its slot, checks every CRC32C, then assigns.
 
   Nothing is assigned unless every tensor's bytes match. When the slot's
@@ -128,6 +125,7 @@ def restore(checkpoint, layout: layout_lib.Layout, prefix: str, man: manifest_li
     received: the copy was received by this process a moment ago (`Incoming.receive`
       checked every tensor's CRC32C as its bytes landed in the slot, and
       nothing wrote the slot since): its bytes are not checked again.
+    times: the restore's PhaseTimes (tfdp.checkpoint.local.phases), or None.
 
   Returns:
     {key: value} of every tensor of the copy (arrays viewing the mapping).
@@ -136,13 +134,13 @@ def restore(checkpoint, layout: layout_lib.Layout, prefix: str, man: manifest_li
     CorruptCheckpointError: naming the first tensor whose bytes do not match.
   """
   check(layout, prefix, man)
-  tensors = slots.read(layout.slot(slot_index(layout, man)), man.slot.entries, man.slot.size,
-                       checked=received)
+  tensors = slot_file.read(layout.slot(slot_index(layout, man)), man.slot.entries,
+                           man.slot.size, checked=received, times=times)
   if applying is not None:
     applying()
   root = layout_lib.PER_WORKER_ROOT + "/"
   shared = {k: v for k, v in tensors.items() if not k.startswith(root)}
-  if not items_lib.restore_values(checkpoint, shared):
+  if not items_lib.restore_values(checkpoint, shared, times=times):
     logging.info("tfdp: %s does not hold exactly this checkpoint's objects; TensorFlow "
                  "restores it.", prefix)
     readable(layout, prefix, man)
@@ -157,10 +155,12 @@ def send(layout: layout_lib.Layout, held_manifest: manifest_lib.Manifest) -> tup
 
 @dataclasses.dataclass
 class Incoming:
-  """A copy a peer offers, checked: its manifest, and where its bytes land."""
+  """A copy a peer offers, checked: its manifest, where its bytes land, and the seconds they took."""
   manifest: manifest_lib.Manifest
   slot: slots.Slot | None
   size: int
+  # `allocate`, `recv`, `land_check` (on the side channel's thread): the restore adds them to its own.
+  times: phases_lib.PhaseTimes = dataclasses.field(default_factory=phases_lib.PhaseTimes)
 
   def receive(self, conn) -> None:
     """Receives the copy's bytes from `conn` into the slot, checking each tensor's CRC32C as it lands.
@@ -169,10 +169,10 @@ class Incoming:
       ConnectionError: the sender stopped in the middle.
       wire.Refused: a tensor's bytes do not match the offered record.
     """
-    with restore_phases.timed("allocate"):
+    with self.times.timed("allocate"):
       dst = self.slot.writable(self.size)
     try:
-      slots.receive(conn.recv_into, dst, self.manifest.slot.entries)
+      slot_file.receive(conn.recv_into, dst, self.manifest.slot.entries, self.times)
     except ValueError as e:
       raise wire.Refused(f"a copy whose bytes do not match its record: {e}", "crc") from None
 
@@ -193,7 +193,7 @@ def incoming(layout: layout_lib.Layout, slot: slots.Slot | None, step: int, mani
           and man.prefix == os.path.basename(layout.prefix(step)) and record is not None
           and isinstance(record.size, int) and [record.size] == list(sizes))
     if ok:
-      slots.check_entries(record.entries, record.size)
+      slot_file.check_entries(record.entries, record.size)
   except Exception as e:  # pylint: disable=broad-except
     raise wire.Refused(f"a copy whose manifest does not parse: {e}", "manifest") from None
   if not ok:
@@ -222,7 +222,7 @@ def adopt(slot: slots.Slot, prefix: str, offered: Incoming, own, base: manifest_
   root = layout_lib.per_worker_prefix(worker)
   holds_own = any(e.key.startswith(root) for e in entries)
   if own and not holds_own:  # A copy that came from this worker holds its state already.
-    more, used = slot.fill(_sources(own), worker, start=used)
+    more, used = slot.fill(_sources(own), start=used)
     entries += more
   man = dataclasses.replace(offered.manifest, session=base.session, world_size=base.world_size,
                             writers={str(worker): {"files": 1}},

@@ -28,23 +28,18 @@ wire ends the server.
 
 import socket
 import threading
-import time
 
 from absl import logging
 
+from tfdp.checkpoint.local import awaited as awaited_lib
 from tfdp.checkpoint.local import channel as channel_lib
-from tfdp.checkpoint import faults
 from tfdp.checkpoint.format import fs
+from tfdp.checkpoint.local import outbound as outbound_lib
 from tfdp.checkpoint.local import wire
 
-_CONNECT_TIMEOUT_S = 5.0
-_ACK_TIMEOUT_S = 10.0  # A neighbour that does not acknowledge a per-worker state by then is down.
-_RETRY_S = 10.0  # After a failed send, that worker is tried again this much later.
-START_S = 20.0  # A restore's sender must start sending within this, after the agreement.
-STALL_S = 10.0  # A transfer that moves no byte for this long has failed (a dead host).
+STALL_S = outbound_lib.STALL_S  # A transfer that moves no byte for this long has failed.
 # With 2 ** 36 (64 GiB) a per-worker state is absurd: a header asking more is dropped.
 MAX_PER_WORKER_BYTES = 1 << 36
-TRANSFER_FAULT = "during_transfer"  # A fault point: half of a copy's bytes are sent.
 # Authenticated connections one worker may hold at once: its reports, a
 # copy and a state at a restore, and one being replaced.
 PER_PEER_CONNECTIONS = 4
@@ -59,43 +54,6 @@ def own_host(address: str | None) -> str:
   """The host of this worker's `host:port` (brackets of an IPv6 address removed)."""
   host = (address or "localhost").rsplit(":", 1)[0]
   return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-class _Refusals:
-  """Dropped connections and frames: the first of each kind is logged, all are counted."""
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._seen = set()
-    self.count = 0
-
-  def note(self, where, error: wire.Refused) -> None:
-    with self._lock:
-      self.count += 1
-      first = error.key not in self._seen
-      self._seen.add(error.key)
-    if first:
-      logging.warning("tfdp: the local tier's side channel dropped a connection from %s: %s. "
-                      "Nothing of it was written; the job goes on (more of this kind are "
-                      "dropped without a line).", where, error)
-
-
-class _Closed(ConnectionError):
-  """The other end closed the connection cleanly (it closed its side channel)."""
-
-
-class _Expected:
-  """One message a restore waits for: from whom, and what arrived (or why not)."""
-
-  def __init__(self):
-    self.started = threading.Event()
-    self.done = threading.Event()
-    self.result = None
-    self.error = None
-
-  def finish(self, result=None, error=None):
-    self.result, self.error = result, error
-    self.done.set()
 
 
 class PeerLink:
@@ -126,23 +84,21 @@ class PeerLink:
     self._host = own_host(me.address)
     self._server = socket.create_server((self._host, 0), reuse_port=False)
     self.port = self._server.getsockname()[1]
-    self._peers = []
     self._lock = threading.Lock()
     self._conns, self._threads = set(), set()
     self._door = channel_lib.Door(max_connections(me.count), PER_PEER_CONNECTIONS)
-    self._expected = {}  # (kind, step, sender) -> _Expected
-    self._out = {}  # worker -> authenticated socket (per-worker states, done)
-    self._down_until = {}
+    self._awaited = awaited_lib.Awaited()  # What a restore waits for.
     self._inbound = {}  # worker -> its connections open now that carried its reports
     self.gone = set()  # Workers whose every such connection ended (they report no more).
-    self.refusals = _Refusals()
+    self.refusals = channel_lib.Refusals()
     self._warned = set()
+    self._sends = outbound_lib.Outbound(me, secret, self._steps, self._warn_once)
     self._closed = False
     self._accept = None
 
   def start(self, peers) -> None:
     """Serves, knowing every worker's (host, port) by index."""
-    self._peers = [tuple(p) for p in peers]
+    self._sends.peers = [tuple(p) for p in peers]
     self._accept = threading.Thread(target=self._serve, name="tfdp-peer-server", daemon=True)
     self._accept.start()
 
@@ -152,7 +108,7 @@ class PeerLink:
 
   @property
   def open(self) -> bool:
-    return bool(self._peers) and not self._closed
+    return bool(self._sends.peers) and not self._closed
 
   @property
   def neighbour(self) -> int:
@@ -288,12 +244,7 @@ class PeerLink:
       self._on_done(sender, step)
       self._steps.known(sender, step)
       return
-    with self._lock:
-      expected = self._expected.get((kind, step, sender))
-      if expected is not None and expected.started.is_set():
-        expected = None
-      if expected is not None:
-        expected.started.set()
+    expected = self._awaited.start((kind, step, sender))
     if expected is None:
       raise wire.Refused(f"an unexpected {kind} of step {step} from worker {sender}", "unexpected")
     try:
@@ -315,88 +266,33 @@ class PeerLink:
 
   def expect(self, kind: str, step: int, sender: int) -> tuple:
     """Registers a message a restore waits for (before the agreement that lets the sender send)."""
-    key = (kind, step, sender)
-    with self._lock:
-      self._expected[key] = _Expected()
-    return key
+    return self._awaited.expect(kind, step, sender)
 
   def forget(self, key: tuple) -> None:
     """Unregisters a message `expect` registered and nobody will send."""
-    with self._lock:
-      self._expected.pop(key, None)
+    self._awaited.forget(key)
 
-  def wait(self, key: tuple, start_timeout: float = START_S):
-    """The message registered by `expect`: (header, the received offer) of a copy, (header, blobs) else.
+  def wait(self, key: tuple, start_timeout: float = awaited_lib.START_S):
+    """The message `expect` registered: (header, the received offer) of a copy, (header, blobs) else.
 
     A sender that does not start within `start_timeout`, or that stops
-    sending for STALL_S, has failed: a dead holder is seen in seconds.
-
-    Raises:
-      TimeoutError, OSError, wire.Refused: it did not arrive whole.
+    sending for STALL_S, has failed (TimeoutError, OSError, wire.Refused).
     """
-    with self._lock:
-      expected = self._expected[key]
-    kind, step, sender = key
-    try:
-      if not expected.started.wait(start_timeout):
-        raise TimeoutError(f"worker {sender} did not start sending the {kind} of step {step} "
-                           f"within {start_timeout:.0f}s")
-      while not expected.done.wait(1.0):
-        if self._closed:
-          raise ConnectionError("the side channel was closed")
-      if expected.error is not None:
-        raise expected.error
-      return expected.result
-    finally:
-      self.forget(key)
+    return self._awaited.wait(key, start_timeout)
 
-  # -- sending --
+  # -- sending (tfdp.checkpoint.local.outbound) --
 
   def _connect(self, to: int) -> channel_lib.Channel:
-    """An authenticated connection to worker `to` (a Channel: its frames carry MACs)."""
-    sock = socket.create_connection(self._peers[to], timeout=_CONNECT_TIMEOUT_S)
-    try:
-      return channel_lib.client_handshake(sock, self._secret, self._me.index, to)
-    except BaseException:
-      sock.close()
-      raise
+    """An authenticated connection to worker `to` (tests open their own)."""
+    return self._sends.connect(to)
 
   def send_copy(self, to: int, step: int, manifest_json: str, path: str, size: int) -> None:
     """Sends a local copy (its record, then `size` bytes of its slot `path`) to worker `to` (a restore)."""
-    header = {"kind": wire.COPY, "step": step, "from": self._me.index, "manifest": manifest_json}
-    with self._connect(to) as sock:
-      sock.settimeout(STALL_S)
-      sock.send_file(header, path, size,
-                     halfway=lambda: faults.reached(TRANSFER_FAULT, self._me.index))
+    self._sends.send_copy(to, step, manifest_json, path, size)
 
   def send_state(self, to: int, step: int, keys, token: str, blobs) -> None:
     """Sends worker `to` its own per-worker state at `step`, which this worker kept (a restore)."""
-    header = {"kind": wire.PER_WORKER_COPY, "step": step, "from": self._me.index,
-              "keys": list(keys), "token": token}
-    with self._connect(to) as sock:
-      sock.settimeout(STALL_S)
-      sock.send(header, blobs)
-
-  def _outbound(self, to):
-    with self._lock:
-      sock = self._out.get(to)
-    if sock is None:
-      sock = self._connect(to)
-      with self._lock:
-        self._out[to] = sock
-    return sock
-
-  def _failed(self, to, what, e):
-    self._down_until[to] = time.monotonic() + _RETRY_S
-    with self._lock:
-      sock = self._out.pop(to, None)
-    if sock is not None:
-      sock.close()
-    if isinstance(e, _Closed):  # It finished (or stopped) and closed its side channel.
-      logging.info("tfdp: worker %d closed its side channel; %s not sent.", to, what)
-      return
-    self._warn_once(("send", to), "tfdp: cannot send %s to worker %d (%s); a replaced host "
-                    "then restarts from the newest step complete on every worker.", what, to, e)
+    self._sends.send_state(to, step, keys, token, blobs)
 
   def replicate(self, step: int, tensors: dict, token: str) -> bool:
     """Sends this worker's per-worker state at `step` to its neighbour (the writer thread calls it).
@@ -405,40 +301,11 @@ class PeerLink:
       Whether the neighbour acknowledged it. One that cannot be reached is
       logged once and tried again later; training never waits for it.
     """
-    to = self.neighbour
-    if self._closed or time.monotonic() < self._down_until.get(to, 0.0):
-      return False
-    self._steps.sent(step)
-    description, blobs = wire.tensors_to_wire(tensors)
-    header = {"kind": wire.PER_WORKER, "step": step, "from": self._me.index,
-              "keys": description["keys"], "token": token, "world_size": self._me.count}
-    try:
-      sock = self._outbound(to)
-      sock.settimeout(_ACK_TIMEOUT_S)
-      sock.send(header, blobs)
-      ack = sock.read_header()
-      if ack is None:
-        raise _Closed("the neighbour closed the connection")
-      wire.check_header(ack, to, self._me.count)
-      sock.end_frame()
-      if ack["kind"] != wire.ACK or ack["step"] != step:
-        raise ConnectionError(f"expected the ack of step {step}, got {ack['kind']}")
-      return True
-    except (OSError, wire.Refused) as e:
-      self._failed(to, "the per-worker state", e)
-      return False
+    return self._sends.replicate(self.neighbour, step, tensors, token)
 
   def report_done(self, step: int, skip=()) -> None:
     """Tells every other worker (but `skip`) that this worker's part of `step` is done."""
-    self._steps.sent(step)
-    for to in range(self._me.count):
-      if (to == self._me.index or to in skip or self._closed
-          or time.monotonic() < self._down_until.get(to, 0.0)):
-        continue
-      try:
-        self._outbound(to).send({"kind": wire.DONE, "step": step, "from": self._me.index})
-      except OSError as e:
-        self._failed(to, "that a step is done", e)
+    self._sends.report_done(step, skip)
 
   def _warn_once(self, key, msg, *args):
     if key not in self._warned:
@@ -458,18 +325,15 @@ class PeerLink:
     if self._accept is not None:
       self._accept.join(timeout=5)
     with self._lock:
-      socks = list(self._conns) + list(self._out.values())
-      self._out.clear()
+      socks = list(self._conns) + self._sends.close()
       threads = list(self._threads)
-      expected = list(self._expected.values())
     for sock in socks:
       try:
         sock.shutdown(socket.SHUT_RDWR)
       except OSError:
         pass
       sock.close()
-    for e in expected:
-      e.finish(error=ConnectionError("the side channel was closed"))
+    self._awaited.close()
     for thread in threads:
       thread.join(timeout=5)
     if self.refusals.count:

@@ -152,40 +152,6 @@ def grow_into(recv_into, size: int) -> bytearray:
   return buf
 
 
-def send(sock, header: dict, blobs=()) -> None:
-  """Sends a frame on a plain socket, unauthenticated (tfdp.checkpoint.local.channel.Channel adds the MACs)."""
-  for part in frame(header, blobs):
-    sock.sendall(part)
-
-
-def send_file(sock, header: dict, path: str, size: int, halfway=None) -> None:
-  """A frame whose one blob is the first `size` bytes of a file, sent by the kernel (sendfile), unauthenticated."""
-  head = json.dumps(dict(header, sizes=[size])).encode()
-  sock.sendall(LENGTH.pack(len(head)) + head)
-  with open(path, "rb") as f:
-    if sock.sendfile(f, 0, size // 2) != size // 2:
-      raise ConnectionError(f"{path} is shorter than {size} bytes")
-    if halfway is not None:
-      halfway()
-    if sock.sendfile(f, size // 2, size - size // 2) != size - size // 2:
-      raise ConnectionError(f"{path} is shorter than {size} bytes")
-
-
-def read_header(sock) -> dict | None:
-  """The next frame's header on a plain socket, parsed but not yet checked; None when the peer closed.
-
-  Raises:
-    Refused: an oversized or unparsable header.
-  """
-  n = read_length(sock)
-  return None if n is None else parse_header(bytes(recv_exact(sock, n)))
-
-
-def read_blobs(sock, sizes) -> list[bytearray]:
-  """A frame's blobs from a plain socket, each growing as its bytes arrive."""
-  return [grow_into(sock.recv_into, size) for size in sizes]
-
-
 def _is_int(v) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
