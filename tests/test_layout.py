@@ -2,7 +2,7 @@
 
 import os
 
-from tfdp.checkpoint.persistent import catalog
+from tfdp.checkpoint.format import directory
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format.layout import Layout
 
@@ -47,21 +47,21 @@ def test_scan_and_files_of(tmp_path):
                "ckpt-2.index", "checkpoint", "notes.txt"):
     (tmp_path / name).write_text("x")
   lay = Layout(str(tmp_path), "ckpt")
-  assert catalog.scan(lay) == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
-  assert sorted(os.path.basename(p) for p in catalog.files_of(lay, lay.prefix(1))) == [
+  assert directory.scan(lay) == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
+  assert sorted(os.path.basename(p) for p in directory.files_of(lay, lay.prefix(1))) == [
       "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
 
 
 def test_cleanup_removes_what_a_killed_tf_write_left_in_a_local_tier(tmp_path):
   """TF's SaveV2 writes `<file>.tempstate<N>` then renames it: a SIGKILL mid-write leaves one."""
-  from tfdp.checkpoint.persistent import writer as storage  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import commit as commit_lib  # pylint: disable=g-import-not-at-top
   names = ["ckpt-30.data-00000-of-00001.tempstate1828745764989108356", "ckpt-29.index",
            "ckpt-29.data-00000-of-00001", "ckpt-29.manifest.json"]
   for name in names:
     (tmp_path / name).write_text("x")
-  storage.cleanup(Layout(str(tmp_path), "ckpt"), private=True)
+  commit_lib.cleanup(Layout(str(tmp_path), "ckpt"), private=True)
   assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
   # Outside a private folder a TF temp file is another writer's: it stays.
   (tmp_path / names[0]).write_text("x")
-  storage.cleanup(Layout(str(tmp_path), "ckpt"))
+  commit_lib.cleanup(Layout(str(tmp_path), "ckpt"))
   assert (tmp_path / names[0]).exists()

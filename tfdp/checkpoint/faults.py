@@ -1,10 +1,9 @@
-"""Named phases of a save where a test-installed hook may inject a fault (no-op otherwise)."""
+"""The local tier's last fault hooks (slot fill, peer transfer), until they too are wrapped by tests (then removed).
+
+The persistent save's phases are tests/save_faults.py's.
+"""
 
 from collections.abc import Callable
-
-# The phases of a sharded save, in order.
-PHASES = ("before_shard", "after_shard", "after_marker", "during_commit",
-          "after_commit")
 
 Hook = Callable[[str, int], None]
 _hook: Hook | None = None
