@@ -9,6 +9,7 @@ import time
 from typing import Optional
 
 from tfdp.goodput import ledger as ledger_lib
+from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format.fs import read_json, write_json_atomic  # The one JSON reader and atomic writer.
 from tfdp.goodput.ledger import merge, progress_steps
 from tfdp.goodput.summary import (SCALARS, SCALARS_DIR, SUMMARY_FILE, VERSION, high_water,
@@ -174,7 +175,7 @@ class Recorder:
   def _write_ledger(self):
     if self._record_file:
       try:
-        write_json_atomic(self._record_file, self.record)
+        fs.write_json_atomic(self._record_file, self.record)  # The ledger's record.
       except OSError:
         pass
 
