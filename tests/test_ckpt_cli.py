@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import tfdp
 from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.format import units
 from tfdp.cli import ckpt
 from tests.conftest import REPO, users_environ
 
@@ -78,9 +79,9 @@ def test_ls_of_tf_checkpoints_a_torn_save_and_a_damaged_one(dirs, tmp_path):
   rows = [" ".join(r) for r in _rows(out)]
   size = sum(os.path.getsize(os.path.join(dirs["tf"], f)) for f in os.listdir(dirs["tf"])
              if f.startswith("ckpt-2."))
-  assert rows == [f"ckpt-1 - {ckpt._human(size)} 1 - TF checkpoint (no tfdp manifest; files "  # pylint: disable=protected-access
+  assert rows == [f"ckpt-1 - {units.human_bytes(size)} 1 - TF checkpoint (no tfdp manifest; files "
                   "not checked)",
-                  f"ckpt-2 - {ckpt._human(size)} 1 - TF checkpoint (no tfdp manifest; files "  # pylint: disable=protected-access
+                  f"ckpt-2 - {units.human_bytes(size)} 1 - TF checkpoint (no tfdp manifest; files "
                   "not checked) (latest)"], out
   # A save that never committed (not in TF's state file), and a truncated shard.
   d = _copy(dirs, tmp_path / "copy")
@@ -169,19 +170,46 @@ def test_inspect_of_tfs_own_checkpoint(dirs):
 
 
 def test_sizes_in_human_units():
-  assert [ckpt._human(n) for n in (0, 999, 1000, 1_234_567, 5 * 10**9)] == [  # pylint: disable=protected-access
+  assert [units.human_bytes(n) for n in (0, 999, 1000, 1_234_567, 5 * 10**9)] == [
       "0 B", "999 B", "1.0 KB", "1.2 MB", "5.0 GB"]
 
 
-def test_ls_imports_no_tensorflow(dirs):
-  code = ("import sys\n"
-          "from tfdp.cli import ckpt\n"
-          f"assert ckpt.main(['ls', {dirs['backup']!r}]) == 0\n"
-          "print('TF loaded' if 'tensorflow' in sys.modules else 'no TF')\n")
-  proc = subprocess.run([PY, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                        check=False)
-  assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.splitlines()[-1] == "no TF", proc.stdout + proc.stderr
+# A process in which `import tensorflow` fails: a finder first in sys.meta_path refuses it.
+_NO_TF = """
+import sys
+class _NoTF:
+  def find_spec(self, name, path=None, target=None):
+    if name == "tensorflow" or name.startswith("tensorflow."):
+      raise ImportError("TensorFlow is unimportable in this test")
+sys.meta_path.insert(0, _NoTF())
+sys.argv = ["tfdp-ckpt"] + sys.argv[1:]
+from tfdp.cli import ckpt
+sys.exit(ckpt.main(sys.argv[1:]))
+"""
+
+
+def test_ls_runs_where_tensorflow_cannot_be_imported(dirs, tmp_path):
+  """`tfdp-ckpt ls` reads the restore's records and checks the sizes as it does, with no TensorFlow at all.
+
+  `ls --verify` needs TensorFlow: each tensor's CRC32C is checked by TF's
+  bundle reader, as the restore reads it.
+  """
+  def ls(*argv):
+    return subprocess.run([PY, "-c", _NO_TF, "ls", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+  proc = ls(dirs["backup"])
+  assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+  assert proc.stdout == _cli("ls", dirs["backup"])[1], proc.stdout
+  assert proc.stdout.splitlines()[1].endswith("sizes ok (bytes not read: --verify) (latest)")
+  d = _copy(dirs, tmp_path / "truncated")
+  os.truncate(d / "ckpt-11.data-00000-of-00001", 100)
+  proc = ls(d)
+  assert proc.returncode == 0 and "CORRUPT: " in proc.stdout and "size 100 bytes" in proc.stdout, (
+      proc.stdout + proc.stderr)
+  proc = ls(dirs["tf"])  # TF's own checkpoints: its state file read without TF.
+  assert proc.returncode == 0 and proc.stdout.count("TF checkpoint") == 2, proc.stdout + proc.stderr
+  assert proc.stdout.splitlines()[-1].endswith("(latest)"), proc.stdout
 
 
 def test_no_tf_start_up_lines_on_stderr(dirs):

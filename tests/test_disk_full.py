@@ -13,6 +13,7 @@ from tfdp import callbacks
 from tfdp import errors
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.format import verify as verify_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X = np.random.RandomState(0).normal(size=(64, 512)).astype("float32")
@@ -65,7 +66,7 @@ def test_disk_full_is_one_error_loses_nothing_and_the_rerun_ends_bitwise_equal(s
   # The backup of epoch 1 is committed and intact; the torn attempt is gone.
   committed = [p for p in os.listdir(backup_dir) if p.endswith(layout_lib.MANIFEST_SUFFIX)]
   assert committed == ["ckpt-4.manifest.json"], os.listdir(backup_dir)
-  manifest_lib.verify(os.path.join(backup_dir, "ckpt-4"))
+  verify_lib.verify(os.path.join(backup_dir, "ckpt-4"))
   assert not os.listdir(os.path.join(backup_dir, layout_lib.TMP_DIRNAME))
 
   small_disk.grow()

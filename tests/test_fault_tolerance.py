@@ -14,7 +14,7 @@ import pytest
 from tfdp import errors
 from tfdp.liveness import heartbeat
 from tfdp import launch
-from tfdp.checkpoint import faults
+from tests import save_faults
 from tests import shared
 from tests.conftest import REPO
 from tests.workers import ft_common
@@ -65,7 +65,7 @@ def _plan(seed):
   """
   rng = random.Random(seed)
   steps = sorted(rng.sample(range(10, ft_common.STEPS - 10), 3))
-  phases = rng.sample(faults.PHASES, 2)
+  phases = rng.sample(save_faults.PHASES, 2)
   events = [{"step": s} for s in steps] + [{"phase": p} for p in phases]
   rng.shuffle(events)
   # A step kill only fires past the restored step: keep step kills increasing.

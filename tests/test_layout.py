@@ -2,7 +2,9 @@
 
 import os
 
-from tfdp.checkpoint.persistent import catalog
+import pytest
+
+from tfdp.checkpoint.format import directory
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format.layout import Layout
 
@@ -47,21 +49,43 @@ def test_scan_and_files_of(tmp_path):
                "ckpt-2.index", "checkpoint", "notes.txt"):
     (tmp_path / name).write_text("x")
   lay = Layout(str(tmp_path), "ckpt")
-  assert catalog.scan(lay) == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
-  assert sorted(os.path.basename(p) for p in catalog.files_of(lay, lay.prefix(1))) == [
+  assert directory.scan(lay) == {"ckpt-1": {"index", "data", "manifest"}, "ckpt-2": {"index"}}
+  assert sorted(os.path.basename(p) for p in directory.files_of(lay, lay.prefix(1))) == [
       "ckpt-1.data-00000-of-00001", "ckpt-1.index"]
 
 
 def test_cleanup_removes_what_a_killed_tf_write_left_in_a_local_tier(tmp_path):
   """TF's SaveV2 writes `<file>.tempstate<N>` then renames it: a SIGKILL mid-write leaves one."""
-  from tfdp.checkpoint.persistent import writer as storage  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import commit as commit_lib  # pylint: disable=g-import-not-at-top
   names = ["ckpt-30.data-00000-of-00001.tempstate1828745764989108356", "ckpt-29.index",
            "ckpt-29.data-00000-of-00001", "ckpt-29.manifest.json"]
   for name in names:
     (tmp_path / name).write_text("x")
-  storage.cleanup(Layout(str(tmp_path), "ckpt"), private=True)
+  commit_lib.cleanup(Layout(str(tmp_path), "ckpt"), private=True)
   assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
   # Outside a private folder a TF temp file is another writer's: it stays.
   (tmp_path / names[0]).write_text("x")
-  storage.cleanup(Layout(str(tmp_path), "ckpt"))
+  commit_lib.cleanup(Layout(str(tmp_path), "ckpt"))
   assert (tmp_path / names[0]).exists()
+
+
+def test_the_state_file_reads_as_tf_reads_it(tmp_path):
+  """directory.read_state (tfdp-ckpt ls and the catalog, without TensorFlow) agrees with TF's own parse."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=g-import-not-at-top
+  checkpoint_management.update_checkpoint_state_internal(
+      save_dir=str(tmp_path), model_checkpoint_path=str(tmp_path / "ckpt-3"),
+      all_model_checkpoint_paths=[str(tmp_path / f"ckpt-{n}") for n in (1, 2, 3)],
+      all_model_checkpoint_timestamps=[1796618125.305399, 1796618126.5, 1796618127.25],
+      last_preserved_timestamp=1796618120.125, save_relative_paths=True)
+  tf_state = tf.train.get_checkpoint_state(str(tmp_path))
+  ours = directory.read_state(str(tmp_path))
+  assert os.path.join(str(tmp_path), ours.latest) == tf_state.model_checkpoint_path
+  assert [os.path.join(str(tmp_path), p) for p in ours.paths] == list(
+      tf_state.all_model_checkpoint_paths)
+  assert ours.timestamps == list(tf_state.all_model_checkpoint_timestamps)
+  assert ours.last_preserved == tf_state.last_preserved_timestamp
+  assert directory.read_state(str(tmp_path / "none")) is None
+  (tmp_path / "checkpoint").write_text("garbage without a colon\n")
+  with pytest.raises(ValueError):
+    directory.read_state(str(tmp_path))

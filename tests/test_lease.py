@@ -182,19 +182,19 @@ def test_every_worker_of_a_refused_job_gets_the_error_none_hangs(refused_job_run
 
 def test_a_writer_that_lost_its_lease_does_not_commit(tmp_path, caplog):
   """Fencing: the chief re-reads the lease just before its commit point (finding 4)."""
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  from tests import save_faults  # pylint: disable=g-import-not-at-top
   d = str(tmp_path)
   mgr = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), d)
   mgr.save()
   # A newer job takes the directory over while this chief's save is under
   # way (its heartbeat had gone stale: it stalled past the lease's lifetime).
-  faults.install(lambda phase, worker: phase == "during_commit" and _write_lease(
+  undo = save_faults.install(lambda phase, worker: phase == "during_commit" and _write_lease(
       d, session="newer", host="elsewhere", pid=4242))
   try:
     with pytest.raises(errors.CheckpointError) as e:
       mgr.save()
   finally:
-    faults.install(None)
+    undo()
   assert "is now held by job session newer (host elsewhere, pid 4242" in str(e.value)
   assert not os.path.exists(os.path.join(d, "ckpt-2.manifest.json"))
   with pytest.raises(errors.CheckpointError, match="session newer"):

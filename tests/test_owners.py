@@ -14,8 +14,8 @@ from tfdp import callbacks
 from tfdp import data
 from tfdp import errors
 from tfdp.callbacks import fit as training
-from tfdp.checkpoint import faults
 from tfdp.checkpoint.format import layout as layout_lib
+from tests import save_faults
 
 X = np.random.RandomState(0).normal(size=(40, 4)).astype("float32")
 Y = X.sum(axis=1, keepdims=True)
@@ -101,13 +101,13 @@ def test_a_failed_async_save_gives_back_its_save_counter_increment(tmp_path):
     if phase == "after_shard":
       raise OSError("disk went away")
 
-  faults.install(fail)
+  undo = save_faults.install(fail)
   try:
     assert manager.save().endswith("ckpt-2")
     with pytest.raises(OSError, match="disk went away"):
       manager.sync()
   finally:
-    faults.install(None)
+    undo()
   assert int(ckpt.save_counter.numpy()) == 1
   assert manager.save().endswith("ckpt-2")
   manager.close()

@@ -16,7 +16,7 @@ def test_every_item_once_and_byte_balanced():
   plan = planner.plan_save(items, 3)
   keys = [it.key for w in range(3) for f in plan.files[w] for it in f]
   assert sorted(keys) == sorted(it.key for it in items)
-  loads = [plan.bytes_of(w) for w in range(3)]
+  loads = [sum(it.nbytes for f in plan.files[w] for it in f) for w in range(3)]
   assert max(loads) - min(loads) <= 20, loads
   assert any(it.key == planner.OBJECT_GRAPH_KEY for f in plan.files[0] for it in f)
 

@@ -18,6 +18,7 @@ from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.local import tier as local_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.format import verify as verify_lib
 from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.local import generations
 from tfdp.checkpoint.format import planner
@@ -215,10 +216,10 @@ def test_a_flipped_byte_in_the_newest_slot_is_named_and_the_run_ends_bitwise_equ
   run.train(27)  # Persistent at 21; local 20 and 25 (every 5), or 26 and 27 (every step).
   newest = max(layout_lib.number_of(p) for p in run.manager.local_checkpoints())
   prefix = run.manager._local.layout.prefix(newest)  # pylint: disable=protected-access
-  manifest_lib.verify(prefix)  # What tfdp-ckpt verify does: every CRC32C.
+  verify_lib.verify(prefix)  # What tfdp-ckpt verify does: every CRC32C.
   _flip(run.manager, newest)
   with pytest.raises(errors.CorruptCheckpointError, match="VARIABLE_VALUE' does not match"):
-    manifest_lib.verify(prefix)
+    verify_lib.verify(prefix)
   again = run.restart()
   with caplog.at_level("WARNING"):
     again.manager.restore_or_initialize()

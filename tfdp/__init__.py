@@ -49,8 +49,10 @@ __all__ = sorted(_PUBLIC)
 # only when asked), and tfdp.compat, which applies nothing by itself.
 _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
                    "tfdp._version", "tfdp.checkpoint.format.layout", "tfdp.checkpoint.format.private",
-                   "tfdp.distribute.environment",
-                   "tfdp.cli.ckpt", "tfdp.cli.train", "tfdp.distribute.kinds", "tfdp.gradients.settings")
+                   "tfdp.checkpoint.format.fs", "tfdp.checkpoint.format.manifest",
+                   "tfdp.checkpoint.format.directory", "tfdp.checkpoint.format.verify",
+                   "tfdp.checkpoint.format.units", "tfdp.distribute.environment",
+                   "tfdp.cli.ckpt", "tfdp.cli.ckpt_list", "tfdp.cli.ckpt_inspect", "tfdp.cli.train", "tfdp.distribute.kinds", "tfdp.gradients.settings")
 # Packages whose own (lazy) __init__ does not apply it; their other
 # submodules do.
 _WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint", "tfdp.cli", "tfdp.checkpoint.format",

@@ -13,10 +13,10 @@ import tensorflow as tf
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tfdp import errors  # pylint: disable=g-import-not-at-top
 from tfdp.checkpoint import CheckpointManager  # pylint: disable=g-import-not-at-top
-from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+from tests import save_faults  # pylint: disable=g-import-not-at-top
 
 # "phase:worker[,phase:worker...]" makes that worker SIGKILL itself when its
-# save reaches that phase (faults.PHASES), once install_crash_hook() ran.
+# save reaches that phase (save_faults.PHASES), once install_crash_hook() ran.
 CRASH_ENV = "TFDP_CKPT_TEST_CRASH_AT"
 
 # name -> (shape, dtype); about 3 MB in all.
@@ -43,7 +43,7 @@ def _crash_hook(phase, worker):
 
 def install_crash_hook():
   """Makes saves in this process honour CRASH_ENV (read at each phase)."""
-  faults.install(_crash_hook)
+  save_faults.install(_crash_hook)
 
 
 def values(seed):

@@ -4,7 +4,7 @@ FT_CHAOS_PLAN is JSON {attempt: {"worker": i, "step": s} | {"worker": i,
 "phase": p}}; attempt is TFDP_RESTART_COUNT (set by tfdp-launch). A step
 kill fires once this worker's heartbeat reports step >= s; a phase kill
 fires at the first checkpoint save of the attempt, at that phase of the
-sharded save (tfdp.checkpoint.faults.PHASES), through the fault hook.
+sharded save or local copy (tests/save_faults.PHASES), the writer wrapped.
 With "wipe": "own" (or "all"), the worker first deletes its own local
 checkpoint tier (or every worker's: the whole --local_checkpoint_dir), as a
 replaced host (or a reboot of every host) would lose it.
@@ -56,14 +56,14 @@ def _watch_steps(attempt, me, kill_step=None, wipe=None):
 
 
 def _kill_at_phase(phase, me):
-  from tfdp.checkpoint import faults  # pylint: disable=g-import-not-at-top
+  from tests import save_faults  # pylint: disable=g-import-not-at-top
 
   def hook(reached, worker):
     if reached == phase and worker == me:
       print(f"ft_train: SIGKILL at {phase}", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
 
-  faults.install(hook)
+  save_faults.install(hook, local=True)
 
 
 def main():

@@ -11,7 +11,7 @@ _PUBLIC = {
     "CheckpointManager": "tfdp.checkpoint.manager",
     "KeepBest": "tfdp.checkpoint.persistent.retention",
     "load_per_worker": "tfdp.checkpoint.restore",
-    "verify": "tfdp.checkpoint.format.manifest",
+    "verify": "tfdp.checkpoint.format.verify",
 }
 
 __all__ = sorted(_PUBLIC)

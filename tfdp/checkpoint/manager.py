@@ -21,7 +21,7 @@ from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.format import planner
 from tfdp.checkpoint import policy
 from tfdp.checkpoint import recovery
-from tfdp.checkpoint import restore as restore_lib
+from tfdp.checkpoint import restorer as restorer_lib
 from tfdp.checkpoint.persistent import retention
 from tfdp.checkpoint.persistent import session as session_lib
 from tfdp.checkpoint.persistent import writer as storage
@@ -173,7 +173,7 @@ class CheckpointManager(local_face.LocalFace):
       self._local.start(started.token, started.id)
       self._local.connect()
     self._catalog = catalog_lib.read(self._layout, time.time())
-    self._restorer = restore_lib.Restorer(checkpoint, self._layout, self._catalog, self._me,
+    self._restorer = restorer_lib.Restorer(checkpoint, self._layout, self._catalog, self._me,
                                           self._per_worker.checkpoint, verify_on_restore,
                                           self._lease)
     self.restored_tier = None

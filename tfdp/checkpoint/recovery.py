@@ -12,6 +12,7 @@ from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.local import generations
 from tfdp.checkpoint.local import tier as local_lib
 from tfdp.checkpoint import restore as restore_lib
+from tfdp.checkpoint import restorer as restorer_lib
 from tfdp.checkpoint.local import phases as phases_lib
 from tfdp.checkpoint.local import wire
 
@@ -112,7 +113,7 @@ def fallback(table, step: int) -> int | None:
 # -- the protocol --
 
 def restore_newest(checkpoint, tier: local_lib.LocalTier | None, me: cluster.Worker,
-                   restorer: restore_lib.Restorer, before_restore=None) -> restore_lib.Restored | None:
+                   restorer: restorer_lib.Restorer, before_restore=None) -> restorer_lib.Restored | None:
   """Restores the newest state the workers can have, from any tier, agreed (every worker calls it).
 
   The local tiers first (`TieredRestore`), then the persistent checkpoints
@@ -204,7 +205,7 @@ class TieredRestore:
     self._received = None  # This worker's copy made of what a peer sent.
     self._refusal = None  # What before_restore raised on this worker.
 
-  def run(self, persistent_step: int | None, before_restore=None) -> restore_lib.Restored | None:
+  def run(self, persistent_step: int | None, before_restore=None) -> restorer_lib.Restored | None:
     """Restores from the local tiers; None: use the persistent tier (nothing was restored)."""
     # tf.train.Checkpoint makes its save counter on the first restore; under
     # a MultiWorkerMirroredStrategy that is a broadcast, so every worker
@@ -234,7 +235,7 @@ class TieredRestore:
       outcome, failed = self._attempt(choice, mine, before_restore, seconds)
       if outcome == OK:
         self._log(choice, self._received or mine, time.perf_counter() - start, seconds)
-        return restore_lib.Restored((self._received or mine).prefix,
+        return restorer_lib.Restored((self._received or mine).prefix,
                                     (self._received or mine).manifest, choice.kind)
       self.tried.append(f"{choice.describe()} (failed on worker(s) {failed})")
       tier.drop_step(choice.step)

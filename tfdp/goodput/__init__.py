@@ -9,7 +9,9 @@ import time
 from typing import Optional
 
 from tfdp.goodput import ledger as ledger_lib
-from tfdp.goodput.ledger import merge, progress_steps, read_json, write_json_atomic
+from tfdp.checkpoint.format import fs
+from tfdp.checkpoint.format.fs import read_json, write_json_atomic  # The one JSON reader and atomic writer.
+from tfdp.goodput.ledger import merge, progress_steps
 from tfdp.goodput.summary import (SCALARS, SCALARS_DIR, SUMMARY_FILE, VERSION, high_water,
                                   reached, summarize, summary_line, write_scalars,
                                   write_summary)
@@ -173,7 +175,7 @@ class Recorder:
   def _write_ledger(self):
     if self._record_file:
       try:
-        ledger_lib.write_json_atomic(self._record_file, self.record)
+        fs.write_json_atomic(self._record_file, self.record)  # The ledger's record.
       except OSError:
         pass
 

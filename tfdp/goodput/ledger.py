@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import socket
@@ -12,6 +11,7 @@ import zlib
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from tfdp.checkpoint.format import layout
+from tfdp.checkpoint.format.fs import read_json
 from tfdp.checkpoint.format import private
 
 # A progress file is 64 bytes that its worker maps into memory. A step is two
@@ -28,29 +28,9 @@ _STEP, _TIME = 1, 2  # indexes of the step (int64) and its time (float64) in the
 _SAME_START = 1e-6
 
 
-def read_json(path: Optional[str]) -> Any:
-  """The JSON in `path`; None when there is no path or file, or it is incomplete."""
-  if not path:
-    return None
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def _open_private(path: str, flags: int) -> int:
   """A ledger file: 0600, never through a symlink (tfdp.checkpoint.format.private's rule; the launcher loads no TF)."""
   return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-  """Writes `obj` as JSON to `path`: a reader sees all of it or the old file (temp, rename)."""
-  tmp = layout.atomic_tmp_path(path)
-  with os.fdopen(_open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w",
-                 encoding="utf-8") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
 
 
 def host_id() -> int:

@@ -1,6 +1,5 @@
 """Ray Train: a Keras callback that tells Ray about each committed tfdp backup (metrics and a pointer checkpoint)."""
 
-import json
 import os
 import tempfile
 import time
@@ -10,6 +9,7 @@ import keras
 
 from tfdp import errors
 from tfdp import goodput
+from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import layout
 
 POINTER = "tfdp_backup.json"
@@ -63,8 +63,9 @@ class ReportCheckpoints(keras.callbacks.Callback):
       ray.train.report(metrics)
       return
     with tempfile.TemporaryDirectory() as pointer_dir:
-      with open(os.path.join(pointer_dir, POINTER), "w", encoding="utf-8") as f:
-        json.dump({"backup_dir": self.backup.backup_dir, "prefix": prefix, "step": int(step)}, f)
+      fs.write_json_atomic(os.path.join(pointer_dir, POINTER),
+                           {"backup_dir": self.backup.backup_dir, "prefix": prefix,
+                            "step": int(step)})
       ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pointer_dir))
 
 
@@ -87,13 +88,12 @@ def backup_of(checkpoint) -> dict:
     CheckpointError: the checkpoint is not one ReportCheckpoints reported.
   """
   with checkpoint.as_directory() as directory:
-    path = os.path.join(directory, POINTER)
-    if not os.path.exists(path):
+    pointer = fs.read_json(os.path.join(directory, POINTER))
+    if pointer is None:
       raise errors.CheckpointError(
           f"{checkpoint} holds no {POINTER}: it was not reported by "
           "tfdp.integrations.ray.ReportCheckpoints.")
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
+    return pointer
 
 
 def goodput_summary(backup_dir: str) -> Optional[str]:

@@ -1,8 +1,16 @@
-"""The checkpoint format: every name on disk, the typed records, the file-system seam, and the save plan.
+"""The checkpoint format: every name on disk, the typed records, their checks, the one commit and delete, the file-system seam, the save plan.
 
-Owns: the layout (layout.py), the manifest records and their verification
-(manifest.py), fsync/atomic writes/deletion (fs.py), private folders and
-files (private.py), the byte-balanced plan (planner.py), a save's items and
-their host snapshot (items.py).
-May import: tfdp.errors, tfdp._version.
+Owns:
+  layout.py     every name in a checkpoint directory and a local tier (no TensorFlow);
+  manifest.py   the typed records (Manifest, FileRecord, SlotTensor) and their JSON (no TensorFlow);
+  verify.py     checks of the bytes against a manifest: sizes, CRC-32, TF's CRC32C, slot files;
+  commit.py     the one commit point and the one delete of both tiers, set-aside, torn-save cleanup;
+  directory.py  what a directory holds: its files by checkpoint and kind, TF's state file (read);
+  fs.py         the file-system seam: fsync, atomic writes, the one JSON reader and writer, listing;
+  private.py    private folders and files (modes, no symlinks);
+  units.py      byte counts for people: human_bytes, parse_size;
+  planner.py    the byte-balanced save plan;
+  items.py      a save's items and their host snapshot.
+May import: tfdp.errors, tfdp._version (verify.py reads a slot file through
+tfdp.checkpoint.local.slots, lazily, until the slot-file reader is the format's).
 """

@@ -1,9 +1,13 @@
-"""The file-system seam of checkpoints: fsync, atomic writes and renames, listing, deletion."""
+"""The file-system seam of checkpoints: fsync, atomic writes and renames, listing, deletion, JSON.
+
+No TensorFlow at import: local paths are read with the OS's calls (so
+`tfdp-ckpt ls` runs without TensorFlow); URLs, and the writes and deletions
+of every path, go through tf.io.gfile, imported on first use.
+"""
 
 import json
 import os
-
-import tensorflow as tf
+import sys
 
 from tfdp import errors
 from tfdp.checkpoint.format import layout
@@ -22,6 +26,17 @@ def is_local(path: str) -> bool:
 
 def _local(path):
   return path[len("file://"):] if path.startswith("file://") else path
+
+
+def _gfile():
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (not at import: see the docstring)
+  return tf.io.gfile
+
+
+def failures() -> tuple[type[BaseException], ...]:
+  """What a failed file operation raises: OSError, and TF's OpError once TensorFlow is loaded."""
+  tf = sys.modules.get("tensorflow")
+  return (OSError,) + ((tf.errors.OpError,) if tf is not None else ())
 
 
 def fsync_file(path: str) -> None:
@@ -75,9 +90,9 @@ def write_atomic(path: str, text: str) -> None:
       os.close(fd)
     os.replace(_local(tmp), _local(path))
   else:
-    with tf.io.gfile.GFile(tmp, "w") as f:
+    with _gfile().GFile(tmp, "w") as f:
       f.write(text)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    _gfile().rename(tmp, path, overwrite=True)
   fsync_dir(os.path.dirname(path))
 
 
@@ -86,39 +101,66 @@ def write_json_atomic(path: str, obj) -> None:
   write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
-def read_json(path: str):
-  """Reads a JSON file; None if it does not exist or is not complete JSON."""
+def read_text(path: str) -> str | None:
+  """The text of file `path`, or None when it does not exist."""
+  if is_local(path):
+    try:
+      with open(_local(path), encoding="utf-8") as f:
+        return f.read()
+    except FileNotFoundError:
+      return None
+  gfile = _gfile()
+  if not gfile.exists(path):
+    return None
+  with gfile.GFile(path, "r") as f:
+    return f.read()
+
+
+def open_binary(path: str):
+  """`path` open for reading bytes (a context manager)."""
+  return open(_local(path), "rb") if is_local(path) else _gfile().GFile(path, "rb")
+
+
+def read_json(path: str | None):
+  """Reads a JSON file; None if there is no path or file, or it is not complete JSON."""
+  if not path:
+    return None
   try:
-    with tf.io.gfile.GFile(path, "r") as f:
-      return json.loads(f.read())
-  except (tf.errors.NotFoundError, ValueError):
+    text = read_text(path)
+    return None if text is None else json.loads(text)
+  except (ValueError, UnicodeDecodeError):
     return None
 
 
 def listdir(path: str) -> list[str]:
   """Names in directory `path` (without a trailing '/'); [] when it does not exist."""
-  try:
-    return [n.rstrip("/") for n in tf.io.gfile.listdir(path)]
-  except tf.errors.NotFoundError:
+  if is_local(path):
+    try:
+      return os.listdir(_local(path))
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+  gfile = _gfile()
+  if not gfile.isdir(path):
     return []
+  return [n.rstrip("/") for n in gfile.listdir(path)]
 
 
 def exists(path: str) -> bool:
-  return tf.io.gfile.exists(path)
+  return os.path.exists(_local(path)) if is_local(path) else _gfile().exists(path)
 
 
 def isdir(path: str) -> bool:
-  return tf.io.gfile.isdir(path)
+  return os.path.isdir(_local(path)) if is_local(path) else _gfile().isdir(path)
 
 
 def size(path: str) -> int:
-  return tf.io.gfile.stat(path).length
+  return os.path.getsize(_local(path)) if is_local(path) else _gfile().stat(path).length
 
 
 def makedirs(path: str) -> None:
   """Makes directory `path` and its missing parents; local ones tfdp makes are 0700 (private.dir_mode)."""
   if not is_local(path):
-    tf.io.gfile.makedirs(path)
+    _gfile().makedirs(path)
     return
   private.make_dirs(_local(path))
 
@@ -133,15 +175,15 @@ def make_private_dir(path: str) -> None:
 
 
 def rename(src: str, dst: str) -> None:
-  tf.io.gfile.rename(src, dst, overwrite=True)
+  _gfile().rename(src, dst, overwrite=True)
 
 
 def remove(path: str) -> None:
-  tf.io.gfile.remove(path)
+  _gfile().remove(path)
 
 
 def rmtree(path: str) -> None:
-  tf.io.gfile.rmtree(path)
+  _gfile().rmtree(path)
 
 
 def require_directory(path: str) -> str:

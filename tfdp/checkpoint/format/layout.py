@@ -209,10 +209,6 @@ class Layout:
     return os.path.join(self.directory, LOGS_DIRNAME)
 
   @property
-  def goodput_path(self) -> str:
-    return os.path.join(self.directory, GOODPUT_FILENAME)
-
-  @property
   def goodput_dir(self) -> str:
     """The goodput ledger of the run: attempt records and per-worker progress files."""
     return os.path.join(self.directory, GOODPUT_DIRNAME)

@@ -1,21 +1,16 @@
-"""The typed checkpoint manifest (the commit record of both tiers), its JSON form, and verification against it.
+"""The typed checkpoint manifest (the commit record of both tiers) and its JSON form; no TensorFlow.
 
-Integrity of the bytes: in a persistent checkpoint the `.index` file has a
-CRC-32 in the manifest, and each data file lists its tensors, whose CRC32C
-TensorFlow's BundleWriter stores in the index as it writes them and its
-reader checks on every read (restore included), so a data file is never read
-back at save time. A local copy is one raw slot file (tfdp.checkpoint.local.slots)
-whose record lists every tensor: its key, dtype, shape, offset, size and
-CRC32C, and the copy's sequence number. Version-1 to 3 manifests are still
-read.
+What the records say of the bytes: in a persistent checkpoint the `.index`
+file has a CRC-32, and each data file lists its tensors, whose CRC32C
+TensorFlow keeps in the index; a local copy is one raw slot file
+(tfdp.checkpoint.local.slots) whose record lists every tensor: its key,
+dtype, shape, offset, size and CRC32C, and the copy's sequence number.
+Checking the bytes against them is tfdp.checkpoint.format.verify's.
+Version-1 to 3 manifests are still read.
 """
 
 import dataclasses
 import json
-import os
-import zlib
-
-import tensorflow as tf
 
 from tfdp import _version
 from tfdp import errors
@@ -25,10 +20,6 @@ from tfdp.checkpoint.format import layout
 # Format of the manifest; bump on incompatible changes.
 MANIFEST_VERSION = 4
 FORMAT = "tfdp-checkpoint"
-# A checksum that detects flipped bytes and truncation, which is what a
-# manifest is for (not tampering), and costs less than the write it protects.
-CHECKSUM = "crc32"
-_READ_CHUNK = 16 << 20
 
 
 @dataclasses.dataclass
@@ -51,7 +42,7 @@ class SlotTensor:
 
   @classmethod
   def from_list(cls, row) -> "SlotTensor":
-    """The inverse of `to_list` (types are checked by tfdp.checkpoint.local.slots.check_entries)."""
+    """The inverse of `to_list` (types are checked by tfdp.checkpoint.format.slot_file.check_entries)."""
     if not isinstance(row, list) or len(row) != 6:
       raise ValueError(f"not a slot tensor record: {str(row)[:80]}")
     return cls(*row)
@@ -108,6 +99,7 @@ class SaveMeta:
           per_worker_keys: list[str], **extra) -> "SaveMeta":
     """The SaveMeta of a save now, with the versions of tfdp, TensorFlow and Keras."""
     import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top  (the records load without it)
     return cls(checkpoint_number=number, step=step,
                metrics={str(k): float(v) for k, v in (metrics or {}).items()},
                global_batch_size=global_batch_size, per_worker_keys=per_worker_keys,
@@ -166,6 +158,7 @@ class Manifest(SaveMeta):
           f"reads up to {MANIFEST_VERSION}); upgrade tfdp.")
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {k: v for k, v in d.items() if k in fields}
+    kwargs["manifest_version"] = version  # What it was written as (1 when it does not say).
     if not isinstance(d["files"], list):
       raise ValueError("files that are not a list")
     kwargs["files"] = [FileRecord.from_dict(f) for f in d["files"]]
@@ -178,9 +171,9 @@ class Manifest(SaveMeta):
 def read_manifest(prefix: str) -> Manifest | None:
   """The manifest of checkpoint `prefix`, or None when it has none (or a torn one)."""
   try:
-    with tf.io.gfile.GFile(layout.manifest_path(prefix), "r") as f:
-      return Manifest.from_json(f.read())
-  except (tf.errors.NotFoundError, ValueError, TypeError, KeyError):
+    text = fs.read_text(layout.manifest_path(prefix))
+    return None if text is None else Manifest.from_json(text)
+  except (ValueError, TypeError, KeyError):
     return None
 
 
@@ -189,117 +182,3 @@ def write_manifest(prefix: str, manifest: Manifest) -> None:
   fs.write_atomic(layout.manifest_path(prefix), manifest.to_json())
 
 
-def file_checksum(path: str) -> tuple[int, str]:
-  """Returns (size, crc32 as 8 hex digits) of the file at `path`."""
-  crc = 0
-  size = 0
-  with tf.io.gfile.GFile(path, "rb") as f:
-    while True:
-      chunk = f.read(_READ_CHUNK)
-      if not chunk:
-        break
-      crc = zlib.crc32(chunk, crc)
-      size += len(chunk)
-  return size, f"{crc & 0xFFFFFFFF:08x}"
-
-
-def describe_file(path: str) -> FileRecord:
-  """The record of a file checked by its own CRC-32 (the index)."""
-  size, crc = file_checksum(path)
-  return FileRecord(os.path.basename(path), size, crc32=crc)
-
-
-def describe_data_file(path: str, tensors: list[str]) -> FileRecord:
-  """The record of a data file: its bytes are covered by TF's per-tensor CRC32C."""
-  return FileRecord(os.path.basename(path), fs.size(path), tensors=list(tensors))
-
-
-def _tensor_problems(prefix, checks):
-  """Reads the tensors of each (path, keys) in `checks` (TF checks each CRC32C)."""
-  try:
-    reader = tf.train.load_checkpoint(prefix)
-  except tf.errors.OpError as e:
-    return [f"{prefix}: cannot open the checkpoint to check it: {e}"]
-  problems = []
-  for path, keys in checks:
-    for key in keys:
-      try:
-        reader.get_tensor(key)
-      except tf.errors.OpError as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        problems.append(f"{path}: tensor {key!r} does not match its CRC32C "
-                        f"(corrupt): {msg}")
-        break
-  return problems
-
-
-def check_files(prefix: str, manifest: Manifest | None = None,
-                checksums: bool = True) -> list[str]:
-  """Returns a list of problems ("FILE: what is wrong") of checkpoint `prefix`.
-
-  Args:
-    prefix: checkpoint prefix, e.g. `/dir/ckpt-5`.
-    manifest: the manifest, read from disk when None.
-    checksums: also compare checksums (reads every byte); else sizes only.
-  """
-  if manifest is None:
-    manifest = read_manifest(prefix)
-  if manifest is None:
-    return [f"{layout.manifest_path(prefix)}: no manifest (checkpoint not "
-            "committed by tfdp, or its save did not finish)"]
-  directory = os.path.dirname(prefix)
-  problems = []
-  tensor_checks = []
-  for entry in manifest.files:
-    path = os.path.join(directory, entry.name)
-    if not fs.exists(path):
-      problems.append(f"{path}: missing")
-      continue
-    size = fs.size(path)
-    if entry.entries is not None:  # A slot: preallocated, its copy the first `entry.size` bytes.
-      if size < entry.size:
-        problems.append(f"{path}: size {size} bytes, the copy needs {entry.size} (truncated)")
-      elif checksums:
-        from tfdp.checkpoint.local import slots  # pylint: disable=g-import-not-at-top  (it imports this module)
-        try:
-          slots.check_entries(entry.entries, entry.size)
-          slots.read(path, entry.entries, entry.size)
-        except (ValueError, errors.CorruptCheckpointError) as e:
-          problems.append(str(e))
-      continue
-    if size != entry.size:
-      problems.append(f"{path}: size {size} bytes, manifest says "
-                      f"{entry.size} (truncated or overwritten)")
-      continue
-    if checksums and entry.crc32 is not None:
-      _, crc = file_checksum(path)
-      if crc != entry.crc32:
-        problems.append(f"{path}: {CHECKSUM} {crc}, manifest says "
-                        f"{entry.crc32} (corrupt)")
-    elif checksums and entry.tensors is not None:
-      tensor_checks.append((path, entry.tensors))
-  # Tensors only once the index and every size are right: the reader needs them.
-  if not problems and tensor_checks:
-    problems = _tensor_problems(prefix, tensor_checks)
-  return problems
-
-
-def verify(prefix: str, manifest: Manifest | None = None,
-           checksums: bool = True) -> None:
-  """Checks every file of checkpoint `prefix` against its manifest.
-
-  Args:
-    prefix: checkpoint prefix.
-    manifest: the manifest, read from disk when None.
-    checksums: also compare checksums (reads every byte); else sizes only.
-
-  Raises:
-    CorruptCheckpointError: naming each file that is missing, truncated or
-      whose checksum differs.
-  """
-  problems = check_files(prefix, manifest, checksums=checksums)
-  if problems:
-    raise errors.CorruptCheckpointError(
-        f"Checkpoint {prefix} is corrupt: " + "; ".join(problems) +
-        ". Restore an older checkpoint (restore_or_initialize() does so) or "
-        "delete this one.")

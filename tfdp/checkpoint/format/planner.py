@@ -35,9 +35,6 @@ class SavePlan:
   def for_worker(self, worker: int) -> list[list[Item]]:
     return [list(f) for f in self.files[worker]]
 
-  def bytes_of(self, worker: int) -> int:
-    return sum(it.nbytes for f in self.files[worker] for it in f)
-
 
 def balance(items: Sequence[Item], n: int) -> list[list[Item]]:
   """Splits Items into `n` groups of about equal bytes (largest first onto the lightest).

@@ -4,7 +4,7 @@ The seam of the local tier's format. A copy is the whole state of one
 worker at one step: its tensors' bytes in one of the worker's slot files
 (tfdp.checkpoint.local.slots), committed by its typed manifest (the same record
 and the same commit point as a persistent checkpoint:
-tfdp.checkpoint.persistent.writer.commit) at `<local dir>/<name>-<step>`, written
+tfdp.checkpoint.format.commit.commit) at `<local dir>/<name>-<step>`, written
 last. The record lists every tensor (key, dtype, shape, offset, size,
 CRC32C) and the copy's sequence number. No TensorFlow writer is involved;
 when TensorFlow must read a copy (a restore's checks of the run config),
@@ -20,14 +20,14 @@ import numpy as np
 
 from tfdp import errors
 from tfdp.checkpoint.local import bundle
-from tfdp.checkpoint.persistent import catalog
+from tfdp.checkpoint.format import directory
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.format import slot_file
 from tfdp.checkpoint.local import phases as phases_lib
 from tfdp.checkpoint.local import slots
-from tfdp.checkpoint.persistent import writer as storage
+from tfdp.checkpoint.format import commit as commit_lib
 from tfdp.checkpoint.local import wire
 
 
@@ -70,7 +70,7 @@ def _commit(slot, prefix, base, entries, used, worker, sequence):
   man = dataclasses.replace(base, prefix=os.path.basename(prefix), time=time.time(),
                             files=[record], num_shards=1, total_bytes=used,
                             state_bytes=sum(e.size for e in entries), sequence=sequence)
-  return storage.commit(prefix, man, worker)
+  return commit_lib.commit(prefix, man)
 
 
 def slot_index(layout: layout_lib.Layout, man: manifest_lib.Manifest) -> int | None:
@@ -232,12 +232,12 @@ def adopt(slot: slots.Slot, prefix: str, offered: Incoming, own, base: manifest_
 
 def committed(layout: layout_lib.Layout) -> list[int]:
   """The steps of the copies in `layout`'s folder with a manifest."""
-  return [layout_lib.number_of(p) for p in catalog.committed(layout)]
+  return [layout_lib.number_of(p) for p in directory.committed(layout)]
 
 
 def delete(layout: layout_lib.Layout, prefix: str) -> None:
   """Deletes copy `prefix`: its record first (its slot is then free), then a TF index made of it."""
-  for path in [layout_lib.manifest_path(prefix)] + catalog.files_of(layout, prefix):
+  for path in [layout_lib.manifest_path(prefix)] + directory.files_of(layout, prefix):
     try:
       os.remove(path)
     except OSError:
@@ -246,7 +246,7 @@ def delete(layout: layout_lib.Layout, prefix: str) -> None:
 
 def cleanup(layout: layout_lib.Layout, session: str) -> None:
   """Removes what torn writes left: records' temp files and TF indexes no record commits (never a slot)."""
-  storage.cleanup(layout, session, private=True)
+  commit_lib.cleanup(layout, session, private=True)
 
 
 def per_worker_reader(tensors: dict):

@@ -223,8 +223,3 @@ class Slot:
       os.close(self._fd)
       self._fd = None
 
-
-# Until tfdp.checkpoint.format.manifest's verification imports slot_file
-# itself (switched at the merge of issue 43): its two names, as they were here.
-check_entries = slot_file.check_entries
-read = slot_file.read

@@ -1,4 +1,4 @@
-"""What a checkpoint directory holds: its checkpoint files, the managed checkpoints (tfdp's and TF's own), TF's state file."""
+"""The managed checkpoints of a directory (tfdp's and TF's own) as tf.train.CheckpointManager sees them, and TF's state file."""
 
 import dataclasses
 import os
@@ -6,40 +6,14 @@ import threading
 import time
 
 from absl import logging
-import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 
 from tfdp import errors
+from tfdp.checkpoint.format import directory as directory_lib
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.persistent import retention
-
-
-def scan(layout: layout_lib.Layout) -> dict[str, set[str]]:
-  """{base: kinds present} of every checkpoint file in `layout`'s directory."""
-  out = {}
-  for fname in fs.listdir(layout.directory):
-    parsed = layout.parse(fname)
-    if parsed is not None:
-      out.setdefault(parsed.base, set()).add(parsed.kind)
-  return out
-
-
-def committed(layout: layout_lib.Layout) -> list[str]:
-  """Prefixes of the checkpoints with a manifest, oldest (lowest number) first."""
-  bases = [b for b, kinds in scan(layout).items() if "manifest" in kinds]
-  return [os.path.join(layout.directory, b)
-          for b in sorted(bases, key=lambda b: int(b.rsplit("-", 1)[1]))]
-
-
-def files_of(layout: layout_lib.Layout, prefix: str) -> list[str]:
-  """Paths of the index and data files of checkpoint `prefix` (of any name)."""
-  base = os.path.basename(prefix)
-  any_name = layout_lib.Layout(layout.directory, None)
-  return [os.path.join(layout.directory, f) for f in fs.listdir(layout.directory)
-          if (p := any_name.parse(f)) is not None and p.base == base
-          and p.kind in ("index", "data")]
 
 
 @dataclasses.dataclass
@@ -163,7 +137,7 @@ class Catalog:
 
 def _state(directory):
   try:
-    return tf.train.get_checkpoint_state(directory)
+    return directory_lib.read_state(directory)
   except Exception as e:  # pylint: disable=broad-except
     logging.warning("tfdp: ignoring the unreadable checkpoint state file of %s: %s",
                     directory, e)
@@ -192,7 +166,7 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
   `unknown`: kept, never deleted, and a restore that finds nothing else
   refuses to start over next to them.
   """
-  found = scan(layout_lib.Layout(layout.directory, None))  # Every name.
+  found = directory_lib.scan(layout_lib.Layout(layout.directory, None))  # Every name.
   usable = {b for b, kinds in found.items()
             if "manifest" in kinds or ("index" in kinds and "corrupt" not in kinds)}
   manifests = {}
@@ -209,9 +183,9 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
     for base, man in ours.items():
       entries[base] = man.time
   else:
-    last_preserved = min(state.last_preserved_timestamp, now)
-    paths = list(state.all_model_checkpoint_paths)
-    stamps = list(state.all_model_checkpoint_timestamps) or [last_preserved] * len(paths)
+    last_preserved = min(state.last_preserved, now)
+    paths = list(state.paths)
+    stamps = list(state.timestamps) or [last_preserved] * len(paths)
     for path, stamp in zip(paths, stamps):
       base = os.path.basename(path)
       if base in usable:
@@ -221,7 +195,7 @@ def read(layout: layout_lib.Layout, now: float) -> Catalog:
     for base, man in ours.items():
       if base not in entries and man.time > last_preserved:
         entries[base] = man.time
-    base = os.path.basename(state.model_checkpoint_path or "")
+    base = os.path.basename(state.latest)
     if base in usable:
       latest = os.path.join(layout.directory, base)
   managed = sorted(

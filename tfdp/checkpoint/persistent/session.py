@@ -14,7 +14,7 @@ from tfdp import errors
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.persistent import lease as lease_lib
-from tfdp.checkpoint.persistent import writer as storage
+from tfdp.checkpoint.format import commit as commit_lib
 
 RUN_ID_ENV = "TFDP_RUN_ID"
 
@@ -192,7 +192,7 @@ def start(me: cluster.Worker, layout: layout_lib.Layout, run_id: str | None,
     try:
       fs.makedirs(layout.directory)
       lease = lease_lib.acquire(layout.lease_path, session, layout.directory)
-      storage.cleanup(layout, session)
+      commit_lib.cleanup(layout, session)
       if tiers:
         token = ensure_token(layout)
     except Exception as e:  # pylint: disable=broad-except

@@ -13,13 +13,14 @@ from tensorflow.python.ops import gen_io_ops
 
 from tfdp import errors
 from tfdp.checkpoint.persistent import catalog
-from tfdp.checkpoint import faults
+from tfdp.checkpoint.format import commit as commit_lib
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.persistent import lease as lease_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.format import planner
+from tfdp.checkpoint.format import verify as verify_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ def run(job: SaveJob) -> manifest_lib.Manifest:
   """
   written = False
   try:
-    _write_shards(job)
+    _write_marker(job, _write_shards(job))
     written = True
     return _commit(job) if job.is_chief else _wait_for_commit(job)
   except BaseException as e:
@@ -122,7 +123,7 @@ def _write_file(job, j, items):
   fs.fsync_file(index)
   return {
       "prefix": os.path.basename(shard_prefix),
-      "data": manifest_lib.describe_data_file(data, [it.key for it in items]).to_dict(),
+      "data": verify_lib.describe_data_file(data, [it.key for it in items]).to_dict(),
       "index_size": fs.size(index),
       "num_tensors": len(items),
       "state_bytes": sum(nbytes),
@@ -131,8 +132,8 @@ def _write_file(job, j, items):
   }
 
 
-def _write_shards(job):
-  faults.reached("before_shard", job.worker)
+def _write_shards(job) -> list[dict]:
+  """Writes and fsyncs this worker's shard files into the save's temp dir; returns their records."""
   fs.makedirs(job.tmp_dir)
   if len(job.files) <= 1:  # None when this worker got no tensor.
     shards = [_write_file(job, j, f) for j, f in enumerate(job.files)]
@@ -142,13 +143,16 @@ def _write_shards(job):
         thread_name_prefix="tfdp-ckpt-file") as pool:
       shards = list(pool.map(lambda a: _write_file(job, *a), enumerate(job.files)))
   fs.fsync_dir(job.tmp_dir)
-  faults.reached("after_shard", job.worker)
+  return shards
+
+
+def _write_marker(job, shards: list[dict]) -> None:
+  """Tells the chief this worker's shards are durable: its marker, written atomically."""
   fs.write_json_atomic(job.layout.marker_path(job.tmp_dir, job.worker), {
       "worker": job.worker, "num_workers": job.num_workers,
       "session": job.save_id, "shards": shards, "time": time.time(),
       "bytes_written": sum(s["data"]["size"] + s["index_size"] for s in shards),
       "per_worker_bytes": sum(s["per_worker_bytes"] for s in shards)})
-  faults.reached("after_marker", job.worker)
 
 
 def write_shard(prefix: str, items: list[planner.Item]) -> list[int]:
@@ -200,31 +204,9 @@ def seal(prefix: str, keys_per_file: list[list[str]],
   index = layout_lib.index_path(prefix)
   fs.restrict(index)
   fs.fsync_file(index)
-  files.insert(0, manifest_lib.describe_file(index))
+  files.insert(0, verify_lib.describe_file(index))
   fs.fsync_dir(os.path.dirname(prefix))
   return files
-
-
-def commit(prefix: str, man: manifest_lib.Manifest, worker: int,
-           fence: Callable[[], None] | None = None) -> manifest_lib.Manifest:
-  """The commit point of every checkpoint, of both tiers: the manifest, written last.
-
-  Args:
-    prefix: the checkpoint, its files sealed (`seal`).
-    man: its manifest.
-    worker: the committing worker (named to fault hooks).
-    fence: called just before the manifest is written; raises when this
-      writer may no longer commit (a lost lease).
-
-  Returns:
-    `man`, committed.
-  """
-  faults.reached("during_commit", worker)
-  if fence is not None:
-    fence()
-  manifest_lib.write_manifest(prefix, man)
-  faults.reached("after_commit", worker)
-  return man
 
 
 def _poll(deadline_s, check, on_timeout):
@@ -270,7 +252,7 @@ def _commit(job):
   # Leftovers of an earlier failed attempt at the same number, or a
   # checkpoint a restore could not read and this save replaces (its
   # manifest first: never a manifest of other files).
-  delete(job.layout, job.prefix)
+  commit_lib.delete(job.layout, job.prefix)
   records = [s for m in markers for s in m["shards"]]
   merge([os.path.join(job.tmp_dir, s["prefix"]) for s in records], job.prefix)
   files = seal(job.prefix, [s["data"]["tensors"] for s in records],
@@ -285,7 +267,7 @@ def _commit(job):
                                   "files": len(m["shards"]),
                                   "per_worker_bytes": m.get("per_worker_bytes", 0)}
                for m in markers})
-  commit(job.prefix, man, job.worker, job.fence)
+  commit_lib.commit(job.prefix, man, job.fence)
   try:
     fs.rmtree(job.tmp_dir)
   except tf.errors.OpError as e:
@@ -358,66 +340,7 @@ def after_commit(layout: layout_lib.Layout, cat: catalog.Catalog, man: manifest_
   if chief:
     catalog.write_state(layout, cat)
     for e in sweep.deleted:
-      delete(layout, e.prefix)
-
-
-def cleanup(layout: layout_lib.Layout, session: str | None = None,
-            private: bool = False) -> None:
-  """Deletes leftovers of torn saves: temp dirs, and files of uncommitted checkpoints.
-
-  Index and data files without a manifest are deleted only when a temp dir
-  of theirs is left (a save that merged but did not commit) or their
-  manifest was set aside as corrupt: files that TF wrote itself (no
-  manifest, no temp dir) are the user's and stay, except in a `private`
-  directory (a local tier's), where every uncommitted file is torn.
-
-  Args:
-    layout: the checkpoint directory.
-    session: temp dirs of this session are in use and kept.
-    private: only tfdp writes into the directory.
-  """
-  torn = set()
-  for sub in fs.listdir(layout.tmp_root):
-    if session is not None and sub.startswith(session + "-"):
-      continue
-    torn.add(layout.tmp_base(sub))
-    logging.info("tfdp: removing %s (left by a save that did not commit)", sub)
-    fs.rmtree(os.path.join(layout.tmp_root, sub))
-  if private:  # Whatever name a torn write left (a received copy's too).
-    layout = layout_lib.Layout(layout.directory, None)
-  found = catalog.scan(layout)
-  for fname in fs.listdir(layout.directory):
-    parsed = layout.parse(fname)
-    if parsed is None:
-      continue
-    kinds = found[parsed.base]
-    if parsed.kind == "manifest_tmp" or (
-        parsed.kind in ("index", "data") and "manifest" not in kinds and
-        (private or parsed.base in torn or "corrupt" in kinds)) or (
-        parsed.kind == "tf_tmp" and (private or parsed.base in torn)):
-      logging.info("tfdp: removing %s (left by a save that did not commit)", fname)
-      fs.remove(os.path.join(layout.directory, fname))
-
-
-def delete(layout: layout_lib.Layout, prefix: str) -> None:
-  """Deletes checkpoint `prefix`: its manifest first, so a crash leaves no committed half."""
-  try:
-    path = layout_lib.manifest_path(prefix)
-    if fs.exists(path):
-      fs.remove(path)
-    for path in catalog.files_of(layout, prefix):
-      fs.remove(path)
-  except tf.errors.OpError as e:
-    logging.warning("tfdp: could not delete old checkpoint %s: %s", prefix, e)
-
-
-def set_aside(prefix: str, error: str) -> None:
-  """Uncommits corrupt checkpoint `prefix`: its manifest becomes `.corrupt` (a marker when it has none)."""
-  path, aside = layout_lib.manifest_path(prefix), layout_lib.corrupt_path(prefix)
-  if fs.exists(path):
-    fs.rename(path, aside)
-  else:
-    fs.write_json_atomic(aside, {"error": error, "time": time.time()})
+      commit_lib.delete(layout, e.prefix)
 
 
 def remove_directory(layout: layout_lib.Layout) -> None:
