@@ -4,14 +4,20 @@
 installs every fix whose probe finds the upstream code it patches as the fix
 expects, on any Keras/TensorFlow version: a fix whose probe fails is not
 installed, a warning says what changed, and `skipped()` keeps the reason.
-The fixes: tfdp/compat/strategy_fixes.py (symbolic_build_batch,
-reduce_mean_axis, steps_per_execution_inline,
-non_trainable_mean_aggregation), tfdp/compat/fit_fixes.py
-(fit_data_state, chief_only_verbose), tfdp/compat/file_fixes.py
-(chief_only_files), tfdp/compat/gradient_path.py (gradient_path:
-all-reduce first, in buckets, then clip and check for overflow) and
-tfdp/compat/deadline.py (collective_deadline: a stuck multi-worker step is
-one line and exit 70).
+A fix is a small repair of upstream code, or the install of a tfdp feature
+that must patch upstream (the gradient path); the feature itself lives in
+its own package.
+
+Owns: what a fix is, its registry and how it patches (registry.py), the
+probes that read upstream's code (probes.py), symbolic_build_batch,
+reduce_mean_axis, steps_per_execution_inline and
+non_trainable_mean_aggregation (strategy_fixes.py, with multi_step.py: a
+steps_per_execution loop inline), fit_data_state and chief_only_verbose
+(fit_fixes.py), chief_only_files (file_fixes.py), gradient_path: probes and
+installs tfdp.gradients.path (gradient_path.py), collective_deadline: a
+stuck multi-worker step is one line and exit 70 (deadline.py).
+May import: tfdp.gradients, tfdp.distribute, tfdp.liveness,
+tfdp.resume.fit_hooks, tfdp.errors.
 """
 
 import os
@@ -26,7 +32,7 @@ import tensorflow as tf
 from tfdp.compat import strategy_fixes  # pylint: disable=unused-import
 from tfdp.compat import fit_fixes  # pylint: disable=unused-import
 from tfdp.compat import file_fixes  # pylint: disable=unused-import
-from tfdp.gradients import path as gradient_path  # pylint: disable=unused-import
+from tfdp.compat import gradient_path  # pylint: disable=unused-import
 from tfdp.compat import deadline  # pylint: disable=unused-import
 from tfdp.compat.registry import Fix
 from tfdp.compat.registry import REGISTRY as _REGISTRY
