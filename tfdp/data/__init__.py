@@ -7,10 +7,10 @@ May import: tfdp.errors.
 """
 
 from tfdp.data.iterators import checkpointable
+from tfdp.data.pipeline import distribute, per_replica_batch_size, replica_dataset
 from tfdp.data.sources import (ArraySource, DatasetSource, FunctionSource, RandomAccessSource, Source,
-                               TFRecordSource, Transform, distribute, example_indices,
-                               per_replica_batch_size, replica_dataset, steps_per_epoch,
-                               synthetic_images, tfrecord_index)
+                               Transform, example_indices, steps_per_epoch, synthetic_images)
+from tfdp.data.tfrecords import TFRecordSource, tfrecord_index
 
 __all__ = ["ArraySource", "DatasetSource", "FunctionSource", "RandomAccessSource", "Source",
            "TFRecordSource", "Transform", "checkpointable", "distribute", "example_indices",

@@ -1,12 +1,17 @@
 """tfdp-launch: runs N worker processes of one command and restarts the group when one fails.
 
 The launcher knows nothing of TensorFlow and never imports it (a test
-checks): it starts in a fraction of a second and stays small. Its pieces:
-`addresses` (ports and TF_CONFIG), `output` (prefixed lines; known TF
-noise held back unless a worker fails), `procs` (one group of worker
-processes), `slots` (which slots an elastic restart uses), `signals`
-(forwarding SIGINT/SIGTERM), `job` (the restart loop and its
-`LaunchOptions`) and `cli` (the flags).
+checks): it starts in a fraction of a second and stays small.
+
+Owns: the flags (cli.py, and `python -m tfdp.launch`: __main__.py), the
+restart loop and its LaunchOptions (job.py), one group of worker processes
+(procs.py), what a worker's exit code says and whom to blame (exits.py),
+which slots an elastic restart uses (elastic.py), ports and each worker's
+TF_CONFIG (addresses.py), signals forwarded to the workers and the
+parent-death signal (signals.py), the one output stream (output.py), every
+worker's lines on their way to it (worker_lines.py), known TF/gRPC noise
+(noise.py).
+May import: tfdp.goodput, tfdp.errors.
 """
 
 from tfdp.launch.addresses import cluster_spec
@@ -23,13 +28,13 @@ from tfdp.launch.procs import DEFAULT_GRACE_SECONDS
 from tfdp.launch.procs import DEFAULT_STARTUP_TIMEOUT
 from tfdp.launch.procs import ENV_HEARTBEAT_FILE
 from tfdp.launch.procs import ENV_RESTART_COUNT
-from tfdp.launch.procs import EXIT_COLLECTIVE_TIMEOUT
-from tfdp.launch.procs import EXIT_PEER_LOST
-from tfdp.launch.procs import EXIT_PREEMPTED
+from tfdp.launch.exits import EXIT_COLLECTIVE_TIMEOUT
+from tfdp.launch.exits import EXIT_PEER_LOST
+from tfdp.launch.exits import EXIT_PREEMPTED
 from tfdp.launch.procs import FAILED_GROUP_GRACE_SECONDS
-from tfdp.launch.procs import Failure
+from tfdp.launch.exits import Failure
 from tfdp.launch.procs import Launcher
-from tfdp.launch.procs import first_failure
+from tfdp.launch.exits import first_failure
 from tfdp.launch.elastic import Slots
 
 __all__ = [
