@@ -8,14 +8,15 @@ A fix is a small repair of upstream code, or the install of a tfdp feature
 that must patch upstream (the gradient path); the feature itself lives in
 its own package.
 
-Owns: what a fix is, its registry and how it patches (registry.py), the
-probes that read upstream's code (probes.py), symbolic_build_batch,
-reduce_mean_axis, steps_per_execution_inline and
-non_trainable_mean_aggregation (strategy_fixes.py, with multi_step.py: a
-steps_per_execution loop inline), fit_data_state and chief_only_verbose
-(fit_fixes.py), chief_only_files (file_fixes.py), gradient_path: probes and
-installs tfdp.gradients.path (gradient_path.py), collective_deadline: a
-stuck multi-worker step is one line and exit 70 (deadline.py).
+Owns:
+- registry.py: what a fix is, the registry, how a fix patches an attribute;
+- probes.py: the probes that read upstream's code;
+- strategy_fixes.py: symbolic_build_batch, reduce_mean_axis, steps_per_execution_inline, non_trainable_mean_aggregation;
+- multi_step.py: steps_per_execution_inline's loop, the step traced inline;
+- fit_fixes.py: fit_data_state, chief_only_verbose;
+- file_fixes.py: chief_only_files;
+- gradient_path.py: gradient_path, the probes and install of tfdp.gradients.path;
+- deadline.py: collective_deadline (a stuck multi-worker step is one line and exit 70).
 May import: tfdp.gradients, tfdp.distribute, tfdp.liveness,
 tfdp.resume.fit_hooks, tfdp.errors.
 """

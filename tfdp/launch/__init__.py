@@ -3,14 +3,17 @@
 The launcher knows nothing of TensorFlow and never imports it (a test
 checks): it starts in a fraction of a second and stays small.
 
-Owns: the flags (cli.py, and `python -m tfdp.launch`: __main__.py), the
-restart loop and its LaunchOptions (job.py), one group of worker processes
-(procs.py), what a worker's exit code says and whom to blame (exits.py),
-which slots an elastic restart uses (elastic.py), ports and each worker's
-TF_CONFIG (addresses.py), signals forwarded to the workers and the
-parent-death signal (signals.py), the one output stream (output.py), every
-worker's lines on their way to it (worker_lines.py), known TF/gRPC noise
-(noise.py).
+Owns:
+- cli.py: the flags (and __main__.py: `python -m tfdp.launch`);
+- job.py: the restart loop and its LaunchOptions;
+- procs.py: one group of worker processes: start, watch, stop;
+- exits.py: what a worker's exit code says, and whom to blame;
+- elastic.py: which slots an elastic restart uses;
+- addresses.py: ports, the cluster spec, each worker's TF_CONFIG;
+- signals.py: signals forwarded to the workers, the parent-death signal;
+- output.py: the one output stream and the chief's progress bar;
+- worker_lines.py: every worker's lines on their way to it;
+- noise.py: known TF/gRPC noise, held back.
 May import: tfdp.goodput, tfdp.errors.
 """
 
