@@ -9,3 +9,11 @@ Owns:
 - path.py: the optimizer methods that all-reduce first, then clip and check.
 May import: tfdp.errors.
 """
+
+# The settings are the package's face (TF-free): `tfdp.gradients.reset()`.
+from tfdp.gradients.settings import GradientConfig
+from tfdp.gradients.settings import configure_gradients
+from tfdp.gradients.settings import current
+from tfdp.gradients.settings import reset
+
+__all__ = ["GradientConfig", "configure_gradients", "current", "reset"]
