@@ -11,7 +11,8 @@ its own package.
 Owns:
 - registry.py: what a fix is, the registry, how a fix patches an attribute;
 - probes.py: the probes that read upstream's code;
-- strategy_fixes.py: symbolic_build_batch, reduce_mean_axis, steps_per_execution_inline, non_trainable_mean_aggregation;
+- strategy_fixes.py: symbolic_build_batch, reduce_mean_axis, steps_per_execution_inline,
+  non_trainable_mean_aggregation, concat_gather_dtypes;
 - multi_step.py: steps_per_execution_inline's loop, the step traced inline;
 - fit_fixes.py: fit_data_state, chief_only_verbose;
 - file_fixes.py: chief_only_files;
