@@ -5,7 +5,7 @@ Usage: python scripts/bench_run_state.py [--epochs=20] [--steps=50]
 A small CNN fit (8x8 images, batch 16) with TensorBoard, ModelCheckpoint,
 EarlyStopping, ReduceLROnPlateau and CSVLogger beside
 `tfdp.callbacks.BackupAndRestore`: after each step, the callbacks' state
-(`tfdp.resume.run_state.CallbackStates`: JSON, the CSV text read back, TensorBoard's
+(`tfdp.resume.trackables.CallbackStates`: JSON, the CSV text read back, TensorBoard's
 writers flushed) and the metrics' (`MetricStates`) are taken as a save takes
 them, and timed, against the step itself. The median of each, in one run.
 """

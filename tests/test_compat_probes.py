@@ -207,7 +207,6 @@ def test_installed_versions_pass_every_probe():
   assert compat.skipped() == {}
   for name, fix in compat.fixes().items():
     assert fix.changes() == [], name  # applied: the probes read upstream past the fixes
-    assert fix.looks_as_expected(), name
 
 
 def test_fit_data_state_needs_fit_to_iterate_the_distributed_dataset(changed_upstream, monkeypatch):

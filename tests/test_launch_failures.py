@@ -12,18 +12,19 @@ import pytest
 
 from tfdp import launch
 from tfdp.launch import output
+from tfdp.launch import worker_lines
 from tfdp.launch import noise
 from tests.conftest import REPO, WORKERS
 
 PY = sys.executable
 WORKER = os.path.join(WORKERS, "launch_worker.py")
 FAKE = os.path.join(WORKERS, "ft_fake.py")
-SHOW = f"--verbose_workers or {output.ENV_SHOW_TF_LOGS}=1 shows them"
+SHOW = f"--verbose_workers or {noise.ENV_SHOW_TF_LOGS}=1 shows them"
 
 
 @pytest.fixture(autouse=True)
 def _no_show_env(monkeypatch):
-  monkeypatch.delenv(output.ENV_SHOW_TF_LOGS, raising=False)
+  monkeypatch.delenv(noise.ENV_SHOW_TF_LOGS, raising=False)
 
 
 def _launch(mode, tmp_path, num_workers=2, out=None, **kw):
@@ -150,11 +151,11 @@ def test_after_restarts_the_last_line_is_the_last_attempts_failure(tmp_path):
 
 def _lines(num_workers=2, addresses=None):
   stream = io.StringIO()
-  return output.WorkerLines(output.Output(stream), num_workers, addresses=addresses), stream
+  return worker_lines.WorkerLines(output.Output(stream), num_workers, addresses=addresses), stream
 
 
 def test_same_text_ignores_only_what_differs_between_workers():
-  same = output.same_text
+  same = worker_lines.same_text
   assert same("worker 0 of 2 at localhost:2000", 0, "localhost:2000") == same(
       "worker 1 of 2 at localhost:2001", 1, "localhost:2001")
   assert same("I0000 00:00:1796133538.349871   25316 f.cc:31] ready", 0) == same(
@@ -195,7 +196,7 @@ def test_a_block_is_released_in_time_and_a_later_copy_is_one_line():
   for index in (0, 1):
     lines.add(index, "usage: train [-h]")
     lines.add(index, f"train: error: worker {index}: no such flag")
-  lines.tick(now=time.monotonic() + output.BLOCK_HOLD_SECONDS + 1)
+  lines.tick(now=time.monotonic() + worker_lines.BLOCK_HOLD_SECONDS + 1)
   lines.add(2, "usage: train [-h]")
   lines.add(2, "train: error: worker 2: no such flag")
   lines.finish([2, 2, 2], failed=True)
@@ -297,7 +298,7 @@ class _Tty(io.StringIO):
 def test_on_a_terminal_the_bar_is_redrawn_in_place_and_other_lines_go_above_it():
   stream = _Tty()
   out = output.Output(stream)
-  lines = output.WorkerLines(out, 2)
+  lines = worker_lines.WorkerLines(out, 2)
   t = 1000.0
   assert out.bar_seconds == output.BAR_SECONDS_TTY
   lines.partial(1, "1/9 [=........]")  # not the chief: line by line only
@@ -343,7 +344,7 @@ def test_in_a_file_a_line_of_another_worker_ends_the_bar_and_it_starts_anew():
 def test_redraws_are_cut_to_the_text_after_the_last_carriage_return():
   lines, stream = _lines(2)
   pump_in = io.BytesIO("Epoch 1/2\n\b\b\r1/2 ━━\b\b\r2/2 ━━━━ loss: 0.5\nwhole line\r\n".encode())
-  pump = output.Pump(pump_in, 0, lines)
+  pump = worker_lines.Pump(pump_in, 0, lines)
   pump.run()
   assert stream.getvalue().splitlines() == [
       "[worker 0] Epoch 1/2", "[worker 0] 2/2 ━━━━ loss: 0.5", "[worker 0] whole line"]
@@ -352,9 +353,9 @@ def test_redraws_are_cut_to_the_text_after_the_last_carriage_return():
 def test_a_log_record_glued_to_a_redraw_is_a_line_of_its_own():
   # Keras's bar (stdout) has no newline when absl logs (stderr) on the same pipe.
   stream = io.StringIO()
-  lines = output.WorkerLines(output.Output(stream, bar_seconds=0), 1)
+  lines = worker_lines.WorkerLines(output.Output(stream, bar_seconds=0), 1)
   record = "I1201 23:22:29.166696 140516935244672 callbacks.py:12] saved ckpt-8"
-  output.Pump(io.BytesIO(f"\r7/8 ━━ loss: 2.36{record}\n".encode()), 0, lines).run()
+  worker_lines.Pump(io.BytesIO(f"\r7/8 ━━ loss: 2.36{record}\n".encode()), 0, lines).run()
   assert stream.getvalue() == f"[worker 0] 7/8 ━━ loss: 2.36\r[worker 0] {record}\n"
 
 

@@ -6,7 +6,9 @@ import sys
 import pytest
 
 from tfdp import launch
+from tfdp.launch import noise
 from tfdp.launch import output
+from tfdp.launch import worker_lines
 from tests.test_launch import _run_cli
 
 PY = sys.executable
@@ -90,7 +92,7 @@ def _worker_lines(text, index):
 
 @pytest.fixture(autouse=True)
 def _no_show_env(monkeypatch):
-  monkeypatch.delenv(output.ENV_SHOW_TF_LOGS, raising=False)
+  monkeypatch.delenv(noise.ENV_SHOW_TF_LOGS, raising=False)
 
 
 def test_known_noise_is_hidden_when_the_job_succeeds():
@@ -107,7 +109,7 @@ def test_known_noise_of_a_failed_job_is_one_count_line():
   for i in range(2):  # the job failed: worker 0's noise counts too, although it exited 0
     assert _worker_lines(out, i) == [f"step 1 done by {1000 + i}"], out
   count = (f"[tfdp-launch] {2 * len(NOISE)} TensorFlow log lines held back; --verbose_workers "
-           f"or {output.ENV_SHOW_TF_LOGS}=1 shows them")
+           f"or {noise.ENV_SHOW_TF_LOGS}=1 shows them")
   assert out.splitlines().count(count) == 1, out
   assert out.index("worker 1 exited with code 3") < out.index("held back"), out
   assert out.splitlines()[-1] == "[tfdp-launch] worker 1 failed: exited with code 3", out
@@ -116,7 +118,7 @@ def test_known_noise_of_a_failed_job_is_one_count_line():
 @pytest.mark.parametrize("how", ["env", "flag"])
 def test_everything_is_shown_as_it_comes_on_request(how, monkeypatch, capsys):
   if how == "env":
-    monkeypatch.setenv(output.ENV_SHOW_TF_LOGS, "1")
+    monkeypatch.setenv(noise.ENV_SHOW_TF_LOGS, "1")
     code, out = _launch(NOISE, [0, 0])
   else:
     code, out = _run_cli(["--num_workers=2", "--verbose_workers", "--"] + _worker(NOISE, [0, 0]),
@@ -169,7 +171,7 @@ def test_a_usage_error_of_the_launcher_is_printed_once(argv, error, capsys):
 
 def test_held_repeats_keep_their_order_and_are_released_in_time():
   stream = io.StringIO()
-  lines = output.WorkerLines(output.Output(stream), 2)
+  lines = worker_lines.WorkerLines(output.Output(stream), 2)
   # (A traceback would be an error block, held and merged: tests/test_launch_failures.py.)
   lines.add(0, "loading the dataset")
   lines.add(1, "loading the dataset")  # a repeat: held

@@ -19,7 +19,3 @@ class CorruptCheckpointError(CheckpointError):
 
 class IncompatibleCheckpointError(CheckpointError):
   """A checkpoint was written by a run whose config, or model, does not match this one."""
-
-
-class WorkerFailedError(TfdpError, RuntimeError):
-  """A worker process of a multi-worker job failed."""

@@ -14,7 +14,7 @@ from tfdp.resume import fit_hooks
 from tfdp import goodput
 from tfdp.liveness import preemption
 from tfdp.resume import position as resume_lib
-from tfdp.resume import run_state
+from tfdp.resume import trackables as run_state
 from tfdp.resume import train_state as state_lib
 from tfdp.checkpoint.local import tier as local_lib
 from tfdp.checkpoint import policy
@@ -395,7 +395,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     manager, self.manager = self.manager, None
     manager.delete_directory()
 
-  # -- The run beyond the model (tfdp.resume.run_state), and what the chief says of the backups.
+  # -- The run beyond the model (tfdp.resume.trackables), and what the chief says of the backups.
 
   def on_train_batch_begin(self, batch, logs=None):
     if self.manager is not None and self.manager.is_chief:

@@ -4,14 +4,22 @@
 installs every fix whose probe finds the upstream code it patches as the fix
 expects, on any Keras/TensorFlow version: a fix whose probe fails is not
 installed, a warning says what changed, and `skipped()` keeps the reason.
-The fixes: tfdp/compat/strategy_fixes.py (symbolic_build_batch,
-reduce_mean_axis, steps_per_execution_inline,
-non_trainable_mean_aggregation), tfdp/compat/fit_fixes.py
-(fit_data_state, chief_only_verbose), tfdp/compat/file_fixes.py
-(chief_only_files), tfdp/compat/gradient_path.py (gradient_path:
-all-reduce first, in buckets, then clip and check for overflow) and
-tfdp/compat/deadline.py (collective_deadline: a stuck multi-worker step is
-one line and exit 70).
+A fix is a small repair of upstream code, or the install of a tfdp feature
+that must patch upstream (the gradient path); the feature itself lives in
+its own package.
+
+Owns:
+- registry.py: what a fix is, the registry, how a fix patches an attribute;
+- probes.py: the probes that read upstream's code;
+- strategy_fixes.py: symbolic_build_batch, reduce_mean_axis, steps_per_execution_inline,
+  non_trainable_mean_aggregation, concat_gather_dtypes;
+- multi_step.py: steps_per_execution_inline's loop, the step traced inline;
+- fit_fixes.py: fit_data_state, chief_only_verbose;
+- file_fixes.py: chief_only_files;
+- gradient_path.py: gradient_path, the probes and install of tfdp.gradients.path;
+- deadline.py: collective_deadline (a stuck multi-worker step is one line and exit 70).
+May import: tfdp.gradients, tfdp.distribute, tfdp.liveness,
+tfdp.resume.fit_hooks, tfdp.errors.
 """
 
 import os
@@ -26,7 +34,7 @@ import tensorflow as tf
 from tfdp.compat import strategy_fixes  # pylint: disable=unused-import
 from tfdp.compat import fit_fixes  # pylint: disable=unused-import
 from tfdp.compat import file_fixes  # pylint: disable=unused-import
-from tfdp.gradients import path as gradient_path  # pylint: disable=unused-import
+from tfdp.compat import gradient_path  # pylint: disable=unused-import
 from tfdp.compat import deadline  # pylint: disable=unused-import
 from tfdp.compat.registry import Fix
 from tfdp.compat.registry import REGISTRY as _REGISTRY

@@ -36,10 +36,6 @@ class Fix:
     except Exception as e:  # pylint: disable=broad-except
       return [f"probing raised {type(e).__name__}: {e}"]
 
-  def looks_as_expected(self) -> bool:
-    """Whether the upstream code the fix patches still has the shape it was written for."""
-    return not self.changes()
-
 
 REGISTRY: dict[str, Fix] = {}
 

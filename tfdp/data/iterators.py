@@ -25,69 +25,46 @@ import tensorflow as tf
 from tensorflow.python.data.ops import iterator_ops
 from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.distribute import input_lib
-from tensorflow.python.framework import ops
 from tensorflow.python.trackable import base as trackable_base
 
 from tfdp import errors
 from tfdp.data import iterator_state
+from tfdp.data import worker_iterator
 
 
 
-class _HostFedWorkerIterator(input_lib._SingleWorkerOwnedDatasetIterator):  # pylint: disable=protected-access
-  """One worker's iterator: a host `tf.data` iterator feeding the local replicas."""
+class _SavedPosition:
+  """`state()` / `restore_state()` and the trackable's save and restore, over one iterator resource (`_resource_of()`)."""
 
-  def _make_iterator(self):
-    with ops.device(self._worker):
-      self._iterator = iter(self._dataset)
+  _dataset = None
 
-  def _on_device(self, device, value):
-    with ops.device(device):
-      return tf.nest.map_structure(tf.identity, value, expand_composites=True)
+  def _resource_of(self):
+    raise NotImplementedError
 
-  def get_next(self, device, name=None):
-    del name
-    with ops.device(self._worker):
-      return self._on_device(device, self._iterator.get_next())
+  def state(self) -> bytes:
+    """The serialized position of this worker's iterator (bytes)."""
+    return self.state_tensor().numpy()
 
-  def get_next_as_list(self, name=None):
-    del name
-    # Ops on one iterator resource run in program order (automatic control
-    # dependencies), so replica j gets the j-th element, as with TF's
-    # multi-device iterator.
-    with ops.device(self._worker):
-      return [self._on_device(d, self._iterator.get_next()) for d in self._devices]
+  def state_tensor(self) -> tf.Tensor:
+    """`state()` as a string tensor (no copy to Python)."""
+    return iterator_state.serialize(self._resource_of(), self._dataset)
 
-  def get_next_as_optional_list(self):
-    # TF's caller takes each value under its replica's device scope.
-    with ops.device(self._worker):
-      return [self._iterator.get_next_as_optional() for _ in self._devices]
+  def state_variant(self) -> tf.Tensor:
+    """This worker's position as a variant snapshot, not yet bytes (see `iterator_state.capture`)."""
+    return iterator_state.capture(self._resource_of(), self._dataset)
 
-  @property
-  def _type_spec(self):
-    return _HostFedWorkerIteratorSpec(self._worker, self._devices, self._element_spec,
-                                      self._options, self._canonicalize_devices)
+  def restore_state(self, state: bytes) -> None:
+    """Moves this worker's iterator to a position `state()` returned."""
+    iterator_state.deserialize(self._resource_of(), state)
 
+  def _serialize_to_tensors(self):
+    # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
+    # turns it into bytes off the training thread.
+    return {"state": self.state_variant()}
 
-class _HostFedWorkerIteratorSpec(input_lib._SingleWorkerDatasetIteratorSpec):  # pylint: disable=protected-access
-  """TypeSpec of `_HostFedWorkerIterator` (one plain iterator resource)."""
-
-  @property
-  def value_type(self):
-    return _HostFedWorkerIterator
-
-  @property
-  def _component_specs(self):
-    return [iterator_ops.IteratorSpec(element_spec=self._element_spec)]
-
-  def _from_components(self, components):
-    return _HostFedWorkerIterator(
-        dataset=None, worker=self._worker, devices=self._devices, components=components,
-        element_spec=self._element_spec, options=self._options,
-        canonicalize_devices=self._canonicalize_devices)
-
-  @staticmethod
-  def from_value(value):
-    return value._type_spec  # pylint: disable=protected-access
+  def _restore_from_tensors(self, restored_tensors):
+    iterator_state.restore(self._resource_of(), restored_tensors["state"])
+    return []
 
 
 class _CheckpointableIteratorSpec(input_lib.DistributedIteratorSpec):
@@ -99,7 +76,7 @@ class _CheckpointableIteratorSpec(input_lib.DistributedIteratorSpec):
 
   @property
   def _component_specs(self):
-    return [_HostFedWorkerIteratorSpec(s._worker, s._devices, s._element_spec, s._options,  # pylint: disable=protected-access
+    return [worker_iterator.HostFedWorkerIteratorSpec(s._worker, s._devices, s._element_spec, s._options,  # pylint: disable=protected-access
                                        s._canonicalize_devices)  # pylint: disable=protected-access
             for s in super()._component_specs]
 
@@ -117,7 +94,8 @@ class _CheckpointableIteratorSpec(input_lib.DistributedIteratorSpec):
     return value._type_spec  # pylint: disable=protected-access
 
 
-class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Trackable):
+class CheckpointableIterator(_SavedPosition, input_lib.DistributedIterator,
+                             trackable_base.Trackable):
   """A `tf.distribute` iterator whose position can be saved and restored.
 
   It yields what `iter(strategy.experimental_distribute_dataset(ds))` yields,
@@ -141,24 +119,6 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
   def _resources(self):
     return [w._iterator._iterator_resource for w in self._iterators]  # pylint: disable=protected-access
 
-  def state(self) -> bytes:
-    """The serialized position of this worker's iterator (bytes)."""
-    return self.state_tensor().numpy()
-
-  def state_tensor(self) -> tf.Tensor:
-    """`state()` as a string tensor (no copy to Python)."""
-    (resource,) = self._resources()
-    return iterator_state.serialize(resource, self._dataset)
-
-  def state_variant(self) -> tf.Tensor:
-    """This worker's position as a variant snapshot, not yet bytes (see `iterator_state.capture`)."""
-    (resource,) = self._resources()
-    return iterator_state.capture(resource, self._dataset)
-
-  def restore_state(self, state: bytes) -> None:
-    """Moves this worker's iterator to a position `state()` returned."""
-    iterator_state.deserialize(self._resource_of(), state)
-
   def _resource_of(self):
     (resource,) = self._resources()
     return resource
@@ -167,15 +127,6 @@ class CheckpointableIterator(input_lib.DistributedIterator, trackable_base.Track
     """Takes what `steps` training steps take from this worker's iterator (one element per local replica)."""
     (worker,) = self._iterators
     iterator_state.take(worker._iterator, steps * len(worker._devices))  # pylint: disable=protected-access
-
-  def _serialize_to_tensors(self):
-    # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
-    # turns it into bytes off the training thread.
-    return {"state": self.state_variant()}
-
-  def _restore_from_tensors(self, restored_tensors):
-    iterator_state.restore(self._resource_of(), restored_tensors["state"])
-    return []
 
 
 class _MakesIterators:
@@ -282,7 +233,7 @@ class _HostFed(_MakesIterators):
   def _new_iterator(self):
     canonicalize = getattr(self._strategy, "_canonicalize_devices", True)
     workers = [
-        _HostFedWorkerIterator(dataset=ds, worker=worker, devices=devices,
+        worker_iterator.HostFedWorkerIterator(dataset=ds, worker=worker, devices=devices,
                                options=self._options, canonicalize_devices=canonicalize)
         for ds, (worker, devices) in zip(
             self._worker_datasets(),
@@ -315,32 +266,11 @@ class CheckpointableDatasetsFromFunction(_HostFed, input_lib.DistributedDatasets
     return self._datasets
 
 
-class LocalIterator(iterator_ops.OwnedIterator):
+class LocalIterator(_SavedPosition, iterator_ops.OwnedIterator):
   """A `tf.data` iterator with `state()` / `restore_state()` (no strategy: one device)."""
 
   _dataset = None
   _index = 0
-
-  def state(self) -> bytes:
-    return self.state_tensor().numpy()
-
-  def state_tensor(self) -> tf.Tensor:
-    return iterator_state.serialize(self._iterator_resource, self._dataset)
-
-  def state_variant(self) -> tf.Tensor:
-    return iterator_state.capture(self._iterator_resource, self._dataset)
-
-  def _serialize_to_tensors(self):
-    # The variant: tf.train.Checkpoint writes it as it is, tfdp's writer
-    # turns it into bytes off the training thread.
-    return {"state": self.state_variant()}
-
-  def _restore_from_tensors(self, restored_tensors):
-    iterator_state.restore(self._resource_of(), restored_tensors["state"])
-    return []
-
-  def restore_state(self, state: bytes) -> None:
-    iterator_state.deserialize(self._iterator_resource, state)
 
   def _resource_of(self):
     return self._iterator_resource

@@ -1,16 +1,12 @@
-"""Input that resumes exactly: position-addressable sources, and checkpointable iterators of any tf.data pipeline."""
+"""Position-addressable sources: the Source protocol, sources read by index or as a stream, and which examples a step reads."""
 
 import dataclasses
-import os
-import struct
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import tensorflow as tf
 
 from tfdp import errors
-# Any tf.data pipeline, distributed with iterators whose position is saved.
-from tfdp.data.iterators import checkpointable  # pylint: disable=unused-import
 
 # `fn(batch, step) -> batch`, a pure function of its inputs (e.g. masking or
 # augmentation seeded by the step), applied to each per-replica batch.
@@ -155,94 +151,6 @@ class FunctionSource(RandomAccessSource):
     return self.fn(indices)
 
 
-def tfrecord_index(paths: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(file, offset, length) of every record of uncompressed TFRecord files, in order.
-
-  Reads only the 12-byte record headers (seeking past the data), once.
-
-  Raises:
-    ConfigError: a file is not an uncompressed TFRecord file.
-  """
-  files, offsets, lengths = [], [], []
-  for file_id, path in enumerate(paths):
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-      pos = 0
-      while pos < size:
-        header = f.read(12)
-        length = struct.unpack("<Q", header[:8])[0] if len(header) == 12 else -1
-        if length < 0 or pos + 12 + length + 4 > size:
-          raise errors.ConfigError(
-              f"{path} is not an uncompressed TFRecord file (bad record header at "
-              f"byte {pos}); random access needs uncompressed records. For "
-              "compressed files use tfdp.data.DatasetSource(lambda: "
-              "tf.data.TFRecordDataset(paths, compression_type=...).map(parse), "
-              "num_examples=...), which resumes by skipping (O(k)).")
-        files.append(file_id)
-        offsets.append(pos + 12)
-        lengths.append(length)
-        pos += 12 + length + 4
-        f.seek(pos)
-  return (np.asarray(files, np.int64), np.asarray(offsets, np.int64),
-          np.asarray(lengths, np.int64))
-
-
-class TFRecordSource(RandomAccessSource):
-  """Records of uncompressed TFRecord files, read at any position in O(1).
-
-  An index of record offsets (`tfrecord_index`, built once when the source
-  is made) turns example i into one seek and read, so resuming at step k
-  reads no record before it. Example i is the i-th record of `paths` taken
-  in order.
-
-  Args:
-    paths: TFRecord files (a list, or one path).
-    parse: `fn(records) -> batched structure`, records being a string
-      vector, e.g. `lambda r: tf.io.parse_example(r, features)`.
-    name: identity of the data, recorded in checkpoints (default: the file
-      names and the record count).
-  """
-
-  def __init__(self, paths: str | os.PathLike | list, parse: Callable[[tf.Tensor], Any],
-               name: str | None = None):
-    self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    if not self.paths:
-      raise errors.ConfigError("TFRecordSource needs at least one file.")
-    self.paths = [os.fspath(p) for p in self.paths]
-    self.parse = parse
-    self._files, self._offsets, self._lengths = tfrecord_index(self.paths)
-    self.name = name or "tfrecord:{}:{}".format(
-        ",".join(os.path.basename(p) for p in self.paths), self.num_examples)
-
-  @property
-  def num_examples(self) -> int:
-    return len(self._offsets)
-
-  def _read(self, indices):
-    out = np.empty(len(indices), dtype=object)
-    order = np.argsort(self._files[indices], kind="stable")
-    handle, current = None, None
-    try:
-      for j in order:
-        i = indices[j]
-        file_id = self._files[i]
-        if file_id != current:
-          if handle:
-            handle.close()
-          handle, current = open(self.paths[file_id], "rb"), file_id
-        handle.seek(self._offsets[i])
-        out[j] = handle.read(self._lengths[i])
-    finally:
-      if handle:
-        handle.close()
-    return out
-
-  def fetch(self, indices: tf.Tensor) -> Any:
-    records = tf.numpy_function(self._read, [indices], tf.string, stateful=False)
-    records.set_shape([None])
-    return self.parse(records)
-
-
 @dataclasses.dataclass(frozen=True)
 class DatasetSource:
   """Any deterministic `tf.data.Dataset` of single examples: the documented O(k) fallback.
@@ -334,87 +242,6 @@ def example_indices(step: int | tf.Tensor, *, num_examples: int, global_batch_si
   key = tf.stack([tf.constant(seed, tf.int64), epoch])
   return tf.random.experimental.index_shuffle(
       positions, seed=key, max_index=num_examples - 1)
-
-
-def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
-  """`global_batch_size / num_replicas`, or a ConfigError if it does not divide."""
-  if global_batch_size < 1 or global_batch_size % num_replicas:
-    raise errors.ConfigError(
-        f"--global_batch_size={global_batch_size} must be a positive multiple "
-        f"of the {num_replicas} replicas in sync (each replica gets an equal "
-        f"slice); try {max(1, global_batch_size // num_replicas) * num_replicas}.")
-  return global_batch_size // num_replicas
-
-
-def replica_dataset(source: Source, *, global_batch_size: int, seed: int,
-                    start_step: int = 0,
-                    input_context: tf.distribute.InputContext | None = None,
-                    shuffle: bool = True, transform: Transform | None = None) -> tf.data.Dataset:
-  """The `tf.data.Dataset` one input pipeline feeds to its local replicas.
-
-  It yields, for each global step from `start_step` on, one per-replica batch
-  per local replica, in local-replica order: exactly the order in which
-  `distribute_datasets_from_function` hands elements to the replicas of a
-  worker. The dataset is infinite; the caller decides how many steps to run.
-
-  Args:
-    source: a `Source`: an `ArraySource`, `FunctionSource`, `TFRecordSource`
-      or other `RandomAccessSource` (O(1) resume), or a `DatasetSource` (O(k)
-      resume by skipping).
-    global_batch_size: examples per step across all replicas.
-    seed: int seed of the order.
-    start_step: first global step; resuming costs O(1) in it.
-    input_context: the `tf.distribute.InputContext` (None: one pipeline, one
-      replica).
-    shuffle: permute each epoch.
-    transform: optional `fn(batch, step) -> batch`, a pure function of its
-      inputs (e.g. augmentation or masking seeded by the step).
-
-  Returns:
-    A `tf.data.Dataset` of per-replica batches.
-
-  Raises:
-    ConfigError: the batch does not split evenly over the replicas and
-      pipelines, or the data holds less than one global batch.
-  """
-  if input_context is None:
-    input_context = tf.distribute.InputContext()
-  num_replicas = input_context.num_replicas_in_sync
-  pipelines = input_context.num_input_pipelines
-  if num_replicas % pipelines:
-    raise errors.ConfigError(
-        f"{num_replicas} replicas cannot be split evenly over {pipelines} "
-        "input pipelines; every worker needs the same number of replicas.")
-  per_replica_batch_size(global_batch_size, num_replicas)
-  steps_per_epoch(source.num_examples, global_batch_size)
-  options = tf.data.Options()
-  options.deterministic = True
-  options.experimental_distribute.auto_shard_policy = (
-      tf.data.experimental.AutoShardPolicy.OFF)
-  ds = source.replica_batches(
-      global_batch_size=global_batch_size, seed=seed, start_step=start_step,
-      input_context=input_context, shuffle=shuffle, transform=transform)
-  return ds.prefetch(tf.data.AUTOTUNE).with_options(options)
-
-
-def distribute(strategy: tf.distribute.Strategy, source: Source, *, global_batch_size: int,
-               seed: int, start_step: int = 0, shuffle: bool = True,
-               transform: Transform | None = None) -> tf.distribute.DistributedDataset:
-  """A distributed dataset for `strategy` whose step k is the same on any topology.
-
-  Pass it to `model.fit(..., steps_per_epoch=...)`; Keras keeps one iterator
-  across epochs when `steps_per_epoch` is set, so element n is step
-  `start_step + n`.
-  """
-  per_replica_batch_size(global_batch_size, strategy.num_replicas_in_sync)
-
-  def fn(input_context):
-    return replica_dataset(source, global_batch_size=global_batch_size,
-                           seed=seed, start_step=start_step,
-                           input_context=input_context, shuffle=shuffle,
-                           transform=transform)
-
-  return strategy.distribute_datasets_from_function(fn)
 
 
 def synthetic_images(*, num_examples: int = 2048, image_shape: tuple = (32, 32, 3),

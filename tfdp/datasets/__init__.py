@@ -4,8 +4,16 @@ Every dataset is position-addressable: the batch of global step k is a pure
 function of (seed, k), so a resumed run sees exactly the batches it would
 have seen. Random choices made per batch (the masked-LM masks) are derived
 from (seed, step, example index) in a `transform`, never from a stateful RNG.
-One module per kind: `synthetic`, `tfds`, `text` (masked LM, local corpora)
-and `interactions` (recommendation data sharded by file per worker).
+The models they feed come from the `models` package beside tfdp.
+
+Owns:
+- dataset.py: the Dataset record every kind returns, per-example seeds;
+- synthetic.py: synthetic data with a learnable signal for every task;
+- tfds.py: prepared TFDS datasets, by random access or in file order;
+- text.py: masked-LM masking and local text corpora;
+- tokenizer.py: the WordPiece tokenizer;
+- interactions.py: recommendation data sharded by file per worker.
+May import: tfdp.data, tfdp.errors.
 """
 
 import models

@@ -1,4 +1,4 @@
-"""The fix of Keras 3's gradient path under tf.distribute: all-reduce first, then clip and check for overflow.
+"""The gradient path of data parallelism: Keras 3's optimizer all-reduces first, then clips and checks for overflow.
 
 Keras 3's TF backend all-reduces a replica's gradients at the very end of
 `optimizer.apply`, inside `_backend_update_step`: after `clipnorm`,
@@ -27,6 +27,11 @@ distinct tensors: `ReplicaContext.all_reduce` takes a tensor that every
 replica passes as the same object for one value, not a sum, so a gradient
 shared by the replicas was applied once where upstream applies it per
 replica.)
+
+This module holds the path itself: `replacements()` builds the patched
+methods. tfdp.compat.gradient_path probes the upstream code they replace and
+registers them as the compat fix `gradient_path` (installed by `import tfdp`,
+turned off by `TFDP_COMPAT_DISABLE=gradient_path`).
 """
 
 import functools
@@ -39,9 +44,6 @@ from keras.src.optimizers import loss_scale_optimizer
 import tensorflow as tf
 
 from tfdp.gradients import buckets
-from tfdp.compat import probes
-from tfdp.compat.registry import patch_attr
-from tfdp.compat.registry import register
 
 _Base = base_optimizer.BaseOptimizer
 _TFOptimizer = tf_optimizer.TFOptimizer
@@ -52,25 +54,6 @@ _OUTER_REDUCES = "_tfdp_outer_reduces"
 # Set while a thread traces an `apply` whose gradients are already reduced
 # (thread-local: MirroredStrategy traces each replica in its own thread).
 _reduced = threading.local()
-
-
-def _probe():
-  return [
-      *probes.reads(_Base, "apply", "self._filter_empty_gradients(",
-                    "self._backend_apply_gradients(grads, trainable_variables)", ordered=True),
-      *probes.reads(_Base, "_backend_apply_gradients", "if self.gradient_accumulation_steps:",
-                    "self._iterations + 1", "self._accumulated_gradients[self._get_variable_index(v)]",
-                    "grads = self._clip_gradients(grads)", "self._apply_weight_decay(trainable_variables)",
-                    "self._backend_update_step(", "self._backend_reset_gradient_accumulators()",
-                    "self._backend_increment_gradient_accumulators(", "if self.use_ema:"),
-      *probes.reads(_TFOptimizer, "_backend_update_step",
-                    "self._all_reduce_sum_gradients(grads_and_vars)"),
-      *probes.params(_TFOptimizer, "_all_reduce_sum_gradients", ("self", "grads_and_vars")),
-      *probes.reads(_LSO, "apply", "self._tf_apply(grads, trainable_variables)"),
-      *probes.reads(_LSO, "_tf_apply", "self._common_apply(grads",
-                    "distribution.experimental_local_results(", "self.check_finite"),
-      *probes.reads(_LSO, "_stateful_handle_finite_grads", "self.inner_optimizer.apply("),
-  ]
 
 
 def _multi_replica() -> bool:
@@ -156,24 +139,22 @@ def _accumulate_across_replicas(self, grads, trainable_variables):
   tf.distribute.get_replica_context().merge_call(cross_replica, args=(grads,))
 
 
-@register("gradient_path", _probe,
-          "under MirroredStrategy and MultiWorkerMirroredStrategy, gradient clipping acts "
-          "on each replica's own gradients (it depends on the number of replicas), a "
-          "float16 overflow on one replica is applied by the others (non-finite weights) "
-          "or hangs a multi-worker job, and the all-reduce is one block after backward")
-def _install_gradient_path():
-  """keras/src/optimizers/base_optimizer.py BaseOptimizer.apply, LossScaleOptimizer.apply, TFOptimizer._all_reduce_sum_gradients.
+def replacements():
+  """The gradient path's methods, each wrapping the upstream one it replaces.
 
   Upstream all-reduces in `_backend_update_step`, after clipping, and
   LossScaleOptimizer decides finiteness before it (see the module
-  docstring). The patch all-reduces at the start of `apply` in a replica
-  context of more than one replica (in buckets, tfdp.gradients.buckets; with
-  gradient accumulation, on the update step instead), then
-  runs upstream's `apply` on the reduced gradients with the optimizer's own
-  all-reduce turned off; LossScaleOptimizer reduces before its finiteness
-  check, and its inner optimizer takes the gradients as they come. Outside
-  such a context (no strategy, one replica, cross-replica) upstream runs
-  unchanged.
+  docstring). The replacements all-reduce at the start of `apply` in a
+  replica context of more than one replica (in buckets,
+  tfdp.gradients.buckets; with gradient accumulation, on the update step
+  instead), then run upstream's `apply` on the reduced gradients with the
+  optimizer's own all-reduce turned off; LossScaleOptimizer reduces before
+  its finiteness check, and its inner optimizer takes the gradients as they
+  come. Outside such a context (no strategy, one replica, cross-replica)
+  upstream runs unchanged.
+
+  Returns:
+    [(class, attribute name, replacement)], in the order they are to be set.
   """
   base_apply = _Base.apply
   backend_apply = _Base._backend_apply_gradients  # pylint: disable=protected-access
@@ -216,15 +197,7 @@ def _install_gradient_path():
       return list(grads_and_vars)
     return all_reduce_sum(self, grads_and_vars)
 
-  undo = [patch_attr(_Base, "apply", apply, "gradient_path"),
-          patch_attr(_Base, "_backend_apply_gradients", _backend_apply_gradients,
-                     "gradient_path"),
-          patch_attr(_LSO, "apply", lso_apply_reduced, "gradient_path"),
-          patch_attr(_TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients,
-                     "gradient_path")]
-
-  def revert():
-    for u in reversed(undo):
-      u()
-
-  return revert
+  return [(_Base, "apply", apply),
+          (_Base, "_backend_apply_gradients", _backend_apply_gradients),
+          (_LSO, "apply", lso_apply_reduced),
+          (_TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)]

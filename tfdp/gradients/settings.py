@@ -1,9 +1,9 @@
 """How tfdp's gradient path all-reduces a Keras 3 optimizer's gradients (TF-free: settings only).
 
-Under any `tf.distribute` strategy with more than one replica, the fix
-`gradient_path` of tfdp.compat (tfdp/compat/gradient_path.py) all-reduces a
-Keras optimizer's gradients first, in buckets taken in reverse variable order
-(the order backward produces them), then clips them and checks them for
+Under any `tf.distribute` strategy with more than one replica, the gradient
+path (tfdp/gradients/path.py, installed as tfdp.compat's fix
+`gradient_path`) all-reduces a Keras optimizer's gradients first, in buckets
+taken in reverse variable order (the order backward produces them), then clips them and checks them for
 overflow, so every replica and worker takes the same decision on the same
 reduced gradients, as one device does. These settings say how:
 

@@ -6,7 +6,8 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from tfdp import errors
-from tfdp.launch import output
+from tfdp.launch import exits
+from tfdp.launch import noise
 from tfdp.launch import procs
 from tfdp.launch.job import EXIT_OK
 from tfdp.launch.job import EXIT_USAGE
@@ -23,7 +24,7 @@ def _parser():
       usage="tfdp-launch --num_workers=N [--max_restarts=K] [...] -- COMMAND [ARGS...]",
       epilog=f"Exit codes: {EXIT_OK} every worker exited 0; {EXIT_WORKER_FAILED} "
              f"a worker failed and no restart was left, or the workers did not "
-             f"answer a signal; {EXIT_USAGE} usage error; {procs.EXIT_PREEMPTED} "
+             f"answer a signal; {EXIT_USAGE} usage error; {exits.EXIT_PREEMPTED} "
              "the launcher was signalled and the workers saved (run again to "
              "resume).")
   parser.add_argument("--num_workers", type=int, default=None,
@@ -64,7 +65,7 @@ def _parser():
                            "{slot}, {index}, {host}; e.g. 'ip netns exec ns{slot}'")
   parser.add_argument("--verbose_workers", action="store_true",
                       help="print every worker line as it comes (also: "
-                           f"{output.ENV_SHOW_TF_LOGS}=1); by default known "
+                           f"{noise.ENV_SHOW_TF_LOGS}=1); by default known "
                            "TF/gRPC start-up and shutdown noise is not printed "
                            "(a failed job counts it), and an error that several "
                            "workers print is printed once")

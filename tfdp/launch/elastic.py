@@ -3,7 +3,7 @@
 import subprocess
 from typing import Callable, Optional, Sequence
 
-from tfdp.launch.procs import Failure
+from tfdp.launch.exits import Failure
 
 
 class Slots:

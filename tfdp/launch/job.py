@@ -11,10 +11,12 @@ from typing import Mapping, Optional, Sequence, TextIO
 
 from tfdp import errors
 from tfdp import goodput
+from tfdp.launch import exits
 from tfdp.launch import noise
 from tfdp.launch import procs
 from tfdp.launch import signals
 from tfdp.launch.elastic import Slots
+from tfdp.launch.output import Output
 
 # Exit codes of tfdp-launch (and EXIT_PREEMPTED: signalled, the workers saved).
 EXIT_OK = 0
@@ -54,7 +56,7 @@ class LaunchOptions:
     verbose_workers: print every worker line as it comes; by default (and
       unless TFDP_SHOW_TF_LOGS=1) known TF/gRPC noise is not printed (one
       line counts it when the job fails), and an error or line that several
-      workers print is printed once (see `output.WorkerLines`).
+      workers print is printed once (see `worker_lines.WorkerLines`).
   """
   port: Optional[int] = None
   grace_seconds: float = procs.DEFAULT_GRACE_SECONDS
@@ -130,7 +132,7 @@ class _Job:
 
   def __init__(self, command, num_workers, env, options, out):
     self.command, self.env, self.options = list(command), env, options
-    self.output = procs.Output(out)
+    self.output = Output(out)
     self.log = self.output.log
     keep = ((1 if options.min_workers is None else options.min_workers)
             if options.elastic else num_workers)
@@ -269,16 +271,16 @@ class _Job:
 
   def _after_signal(self, group, failure):
     codes = group.codes()
-    if failure is None and all(c in (EXIT_OK, procs.EXIT_PREEMPTED) for c in codes):
-      if procs.EXIT_PREEMPTED in codes:
+    if failure is None and all(c in (EXIT_OK, exits.EXIT_PREEMPTED) for c in codes):
+      if exits.EXIT_PREEMPTED in codes:
         self.log(f"workers saved and exited after the signal; exit code "
-                 f"{procs.EXIT_PREEMPTED}: run the same command again to resume.")
-        return procs.EXIT_PREEMPTED
+                 f"{exits.EXIT_PREEMPTED}: run the same command again to resume.")
+        return exits.EXIT_PREEMPTED
       return EXIT_OK
     if group.killed or failure is not None:
       why = ""  # the group has logged it ("... sending SIGKILL", "worker 1 exited ...")
     else:
-      why = ": " + ", ".join(f"worker {i} {procs.describe_exit(c)}"
+      why = ": " + ", ".join(f"worker {i} {exits.describe_exit(c)}"
                              for i, c in enumerate(codes) if c)
     self.log(f"job failed after the signal{why}; exit code {EXIT_WORKER_FAILED}.")
     return EXIT_WORKER_FAILED

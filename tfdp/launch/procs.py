@@ -1,22 +1,26 @@
 """One group of local worker processes: start them, copy their output, watch, stop; they die with the launcher."""
 
-import ctypes
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence, TextIO, Union
+from typing import Mapping, Optional, Sequence, TextIO, Union
 
 from tfdp import errors
 from tfdp import goodput
+from tfdp.launch import signals
 from tfdp.launch.addresses import cluster_spec
 from tfdp.launch.addresses import tf_config
+from tfdp.launch.exits import EXIT_PEER_LOST
+from tfdp.launch.exits import EXIT_PREEMPTED
+from tfdp.launch.exits import Failure
+from tfdp.launch.exits import describe_exit
+from tfdp.launch.exits import first_failure
 from tfdp.launch.output import Output
-from tfdp.launch.output import Pump
-from tfdp.launch.output import CONSEQUENCES, WorkerLines
+from tfdp.launch.worker_lines import Pump
+from tfdp.launch.worker_lines import CONSEQUENCES, WorkerLines
 
 # How long workers get to exit after SIGTERM before they are killed, when the
 # group is stopped by a signal to the launcher or a worker was preempted.
@@ -31,14 +35,6 @@ FAILED_GROUP_GRACE_SECONDS = 1.0
 # for the cluster, restoring, tracing the first step) when --hang_timeout is on.
 DEFAULT_STARTUP_TIMEOUT = 600.0
 
-# Exit codes of workers that the launcher recognises. They equal
-# tfdp.liveness.preemption.EXIT_PREEMPTED, tfdp.liveness.heartbeat.EXIT_PEER_LOST and
-# tfdp.liveness.stall.EXIT_COLLECTIVE_TIMEOUT (a test checks); they are repeated
-# here so that the launcher imports no TensorFlow.
-EXIT_PREEMPTED = 75   # saved at a step all workers agreed on; relaunch to resume
-EXIT_PEER_LOST = 69   # a worker's peer disappeared; a consequence, not a cause
-EXIT_COLLECTIVE_TIMEOUT = 70  # waited past the collective timeout: a worker is stuck
-
 # Environment of every worker.
 ENV_HEARTBEAT_FILE = "TFDP_HEARTBEAT_FILE"
 ENV_RESTART_COUNT = goodput.ENV_RESTART_COUNT
@@ -47,100 +43,12 @@ POLL_SECONDS = 0.2
 # How long the output of exited workers may still take to arrive.
 _DRAIN_SECONDS = 2.0
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-def describe_exit(code: int) -> str:
-  """How a worker ended, for the log: `was killed by SIGKILL`, `exited with code 3`, ..."""
-  if code < 0:
-    try:
-      name = signal.Signals(-code).name
-    except ValueError:
-      name = f"signal {-code}"
-    return f"was killed by {name}"
-  if code == EXIT_PREEMPTED:
-    return f"was preempted (exit code {code})"
-  if code == EXIT_PEER_LOST:
-    return f"lost a peer (exit code {code})"
-  if code == EXIT_COLLECTIVE_TIMEOUT:
-    return f"waited past the collective timeout (exit code {code})"
-  return f"exited with code {code}"
-
-
-class Failure(NamedTuple):
-  """What ended a group.
-
-  `kind` is exit, hang or preempted; `slot` is the worker slot to blame,
-  `index` its task index, `code` its exit code (None for a hang); `message`
-  is the line logged.
-  """
-  kind: str
-  slot: int
-  index: int
-  code: Optional[int]
-  message: str
-
-
-def first_failure(ended: Sequence[tuple[int, int]]) -> tuple[int, int]:
-  """The (index, code) to blame among workers that ended non-zero in the same poll.
-
-  A death by a signal comes first (an outside cause), then other non-zero
-  exits, then exits that are consequences of another worker's failure or
-  of a signal (EXIT_PEER_LOST, EXIT_PREEMPTED); ties go to the lower index.
-  """
-  def rank(index_code):
-    index, code = index_code
-    if code < 0:
-      return (0, index)
-    return (2 if code in (EXIT_PEER_LOST, EXIT_PREEMPTED) else 1, index)
-  return min(ended, key=rank)
-
-
-def _prctl():
-  if not sys.platform.startswith("linux"):
-    return None
-  try:
-    return ctypes.CDLL(None, use_errno=True).prctl
-  except (OSError, AttributeError):
-    return None
-
-
-_PRCTL = _prctl()
-
-
-def _die_with_parent() -> Optional[Callable[[], None]]:
-  """A `preexec_fn` that SIGKILLs the worker when the launcher dies, by any signal.
-
-  Linux's parent-death signal fires when the *thread* that forked the child
-  ends, so workers must be started from a thread that lives as long as the
-  launcher (the main thread). If the launcher died between the fork and the
-  prctl, the child has a new parent already and kills itself. Elsewhere than
-  Linux there is no such signal and this returns None.
-  """
-  if _PRCTL is None:
-    return None
-  parent, prctl, sigkill = os.getpid(), _PRCTL, int(signal.SIGKILL)
-
-  def preexec():  # runs in the child between fork and exec: no imports, no I/O
-    prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-    if os.getppid() != parent:
-      os.kill(os.getpid(), sigkill)
-  return preexec
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-  try:
-    os.killpg(pgid, sig)
-  except (ProcessLookupError, PermissionError):
-    pass
-
-
 class Launcher:
   """Starts, watches and stops one group of local worker processes.
 
   Every worker is the leader of its own session (so a signal reaches all of
   its processes, and a Ctrl-C in the launcher's terminal reaches the launcher
-  only) and gets SIGKILL when the launcher dies (see `_die_with_parent`).
+  only) and gets SIGKILL when the launcher dies (see `signals.die_with_parent`).
 
   Args:
     command: the argv of every worker.
@@ -165,7 +73,7 @@ class Launcher:
     heartbeat_dir: where heartbeat files go (default: a temporary folder).
     show_all: print every worker line as it comes; by default known TF
       noise and lines repeating another worker's are held back (see
-      `output.WorkerLines`).
+      `worker_lines.WorkerLines`).
   """
 
   def __init__(self, command: Sequence[str], num_workers: int, *,
@@ -258,14 +166,14 @@ class Launcher:
         proc = subprocess.Popen(
             self._argv(i), env=self._worker_env(i), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent())
+            start_new_session=True, preexec_fn=signals.die_with_parent())
       except (OSError, subprocess.SubprocessError) as e:
         self.stop()
         raise errors.ConfigError(
             f"Cannot start worker {i} with command {self.command!r}: {e}") from e
       self.procs.append(proc)
       if self._term_signal is not None:  # a signal came while starting
-        _kill_group(proc.pid, self._term_signal)
+        signals.kill_group(proc.pid, self._term_signal)
       pump = Pump(proc.stdout, i, self.lines)
       pump.start()
       self._pumps.append(pump)
@@ -274,7 +182,7 @@ class Launcher:
     """Sends `sig` to the process group of every live worker."""
     for proc in self.procs:
       if proc.poll() is None:
-        _kill_group(proc.pid, sig)
+        signals.kill_group(proc.pid, sig)
 
   def terminate(self, sig: int = signal.SIGTERM,
                 grace_seconds: Optional[float] = None) -> None:
@@ -329,7 +237,7 @@ class Launcher:
   def _kill_leftovers(self):
     # A worker's own children (left in its process group) go with it.
     for proc in self.procs:
-      _kill_group(proc.pid, signal.SIGKILL)
+      signals.kill_group(proc.pid, signal.SIGKILL)
 
   def _heartbeat_state(self, i):
     try:
@@ -448,7 +356,7 @@ class Launcher:
     CLI's `prog: error: message`); without one, how it ended. Another worker
     counts when it printed an error and ended neither 0 nor as a consequence.
     Workers whose errors differ only in what differs between workers (see
-    `output.same_text`) share a line.
+    `worker_lines.same_text`) share a line.
     """
     codes = self.codes()
     kinds = {}  # the error as compared -> [its text, its workers]

@@ -218,7 +218,7 @@ class _Hook:
 def keys(callbacks) -> list[tuple[str, object]]:
   """(key, callback) of the callbacks with state: `module.Class#n`, n counting callbacks of that class.
 
-  tfdp's own callbacks (tfdp.app.summaries' TensorBoard, keyed by the global
+  tfdp's own callbacks (tfdp.app.tensorboard's TensorBoard, keyed by the global
   step) resume from the step; they take part only through the hook.
   """
   seen, out = {}, []

@@ -11,7 +11,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tfdp.distribute import cluster
 from tfdp import errors
 from tfdp.resume import fit_hooks
-from tfdp.resume import run_state
+from tfdp.resume import trackables as run_state
 from tfdp.resume import train_state as state_lib
 
 # Name of the completed-epoch counter a backup holds (Keras's callback keeps
@@ -92,7 +92,7 @@ class Position:
   Three variables added to the backup's checkpoint (`keras_epoch`,
   `keras_step_in_epoch`, `data_topology`), set as training goes, plus this
   worker's per-worker state (`per_worker()`): its data position (`data`),
-  its callbacks' state and its metrics' state (`tfdp.resume.run_state`). `read()`
+  its callbacks' state and its metrics' state (`tfdp.resume.trackables`). `read()`
   turns what a restore put in them into a `Resume`.
   """
 

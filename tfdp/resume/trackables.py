@@ -1,4 +1,4 @@
-"""What a backup holds of a Keras run besides its variables and data: its callbacks' state and its metrics' state, per worker.
+"""The trackables a backup saves of a Keras run besides its variables and data: its callbacks' state and its metrics' state, per worker.
 
 Two per-worker parts of every backup of `tfdp.callbacks.BackupAndRestore`
 (saved by each worker under its own key, in the same commit as the
