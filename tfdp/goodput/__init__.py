@@ -1,4 +1,9 @@
-"""Goodput accounting: where a run's wall time went, per attempt and summed over restarts and reruns, offline."""
+"""Goodput accounting: where a run's wall time went, per attempt and summed over restarts and reruns, offline.
+
+Owns: the Recorder a run keeps (here), the ledger in a run's directory
+(ledger.py), the summaries over a job's attempts (summary.py). No TensorFlow.
+May import: tfdp.checkpoint.format, tfdp.errors.
+"""
 
 from __future__ import annotations
 

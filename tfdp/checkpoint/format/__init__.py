@@ -4,6 +4,7 @@ Owns:
   layout.py     every name in a checkpoint directory and a local tier (no TensorFlow);
   manifest.py   the typed records (Manifest, FileRecord, SlotTensor) and their JSON (no TensorFlow);
   verify.py     checks of the bytes against a manifest: sizes, CRC-32, TF's CRC32C, slot files;
+  slot_file.py  the local tier's slot files: a record's checks, read and receive with a CRC32C each;
   commit.py     the one commit point and the one delete of both tiers, set-aside, torn-save cleanup;
   directory.py  what a directory holds: its files by checkpoint and kind, TF's state file (read);
   fs.py         the file-system seam: fsync, atomic writes, the one JSON reader and writer, listing;
@@ -11,6 +12,5 @@ Owns:
   units.py      byte counts for people: human_bytes, parse_size;
   planner.py    the byte-balanced save plan;
   items.py      a save's items and their host snapshot.
-May import: tfdp.errors, tfdp._version (verify.py reads a slot file through
-tfdp.checkpoint.local.slots, lazily, until the slot-file reader is the format's).
+May import: tfdp.errors, tfdp._version.
 """
