@@ -16,7 +16,7 @@ from tfdp.liveness import preemption
 from tfdp.resume import position as resume_lib
 from tfdp.resume import run_state
 from tfdp.resume import train_state as state_lib
-from tfdp.checkpoint.local import tier as local_lib
+from tfdp.checkpoint.local import options as local_options_lib
 from tfdp.checkpoint import policy
 from tfdp.checkpoint.persistent import retention
 from tfdp.checkpoint.manager import CheckpointManager
@@ -133,7 +133,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                keep_best=None, restart_epoch_data: bool = False,
                local_checkpoint_dir: str | None = None,
                local_checkpoint_every_steps: int | str | None = None,
-               checkpoint_overhead: float = local_lib.DEFAULT_OVERHEAD,
+               checkpoint_overhead: float = local_options_lib.DEFAULT_OVERHEAD,
                allow_partial_restore: bool = False):
     super().__init__()
     if not backup_dir:
@@ -151,13 +151,14 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.save_at_end = save_at_end
     self.keep_best = None if keep_best is None else retention.parse_keep_best(keep_best)
     self.restart_epoch_data = restart_epoch_data
-    self.local_checkpoint_dir = local_checkpoint_dir
-    self.local_checkpoint_every_steps = local_checkpoint_every_steps
-    self.checkpoint_overhead = checkpoint_overhead
+    # The local tier's settings, one value to the manager and its tier.
+    self.local_options = local_options_lib.LocalOptions(
+        local_checkpoint_every_steps, checkpoint_overhead, local_checkpoint_dir)
     self.allow_partial_restore = allow_partial_restore
-    self._cadence = policy.Cadence(
+    self._cadence = policy.EpochEndCadence(
         *(() if save_freq is False else (policy.from_save_freq(save_freq),)),
-        policy.OnPreemption(), *((policy.AtTrainEnd(),) if save_at_end else ()))
+        policy.OnPreemption(), *((policy.AtTrainEnd(),) if save_at_end else ()),
+        last_batch=self._ends_epoch)
     self._metrics = {}
     self._goodput = None
     self.state = None
@@ -173,8 +174,11 @@ class BackupAndRestore(keras.callbacks.Callback):
       self._preemption = preemption.PreemptionCallback(
           self._save_for_preemption, handler=preemption.SignalHandler(
               preemption_grace_seconds))
-    self._cadence = resume_lib.EpochEndCadence(self._cadence, self._ends_epoch)
     self._watch = backup_watch.Watch()
+
+  local_checkpoint_dir = property(lambda self: self.local_options.directory)
+  local_checkpoint_every_steps = property(lambda self: self.local_options.every_steps)
+  checkpoint_overhead = property(lambda self: self.local_options.overhead)
 
   @property
   def restored_step(self) -> int | None:
@@ -203,9 +207,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         async_save=self.async_save, max_shard_bytes=self.max_shard_bytes,
         keep_best=self.keep_best, per_worker=self.position.per_worker(),
         strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"),
-        local_checkpoint_dir=self.local_checkpoint_dir,
-        local_checkpoint_every_steps=self.local_checkpoint_every_steps,
-        checkpoint_overhead=self.checkpoint_overhead)
+        local_options=self.local_options)
     # Its TensorBoard scalars would bring back a backup_dir deleted at the end.
     self._goodput = goodput.Recorder(self.backup_dir, chief=self.manager.is_chief,
                                      tensorboard=not self.delete_checkpoint)
@@ -308,6 +310,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._goodput.blocked(time.perf_counter() - start, "persistent")
     return True
 
+  def _blocked(self, seconds, tier):
+    """The time a save of `tier` blocked training, for goodput (with a local save: its interval now)."""
+    self._goodput.blocked(seconds, tier)
+    if tier == "local":
+      self._goodput.interval(self.manager.local_interval)
+
   def _save_for_preemption(self, step):
     self._save_if(self._cadence, step, preempted=True)
     # Releases the directory too: the job restarted elsewhere takes it at once.
@@ -354,12 +362,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     # counts it as reached (and recomputed after the restart).
     self._goodput.step(step)
     self.position.batch_end(step)
-    self._save_if(self._cadence, step, advance=True)
-    if self.manager.local_due(step):
-      start = time.perf_counter()
-      self.manager.save_local(step)
-      self._goodput.blocked(time.perf_counter() - start, "local")
-      self._goodput.interval(self.manager.local_interval)
+    # One call for both tiers: the persistent save when the cadence says so,
+    # the local one when its own does, from one snapshot.
+    due = self._cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=True)
+    self.manager.save_at_step(step, persistent=due, metrics=self._metrics, blocked=self._blocked)
     if self._preemption is not None:
       self._preemption.on_train_batch_end(batch, logs)
 

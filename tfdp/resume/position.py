@@ -294,42 +294,6 @@ def human_bytes(n: float) -> str:
   return f"{n:.1f} TB"
 
 
-class EpochEndCadence:
-  """A backup's `Cadence` whose saves due on an epoch's last batch wait for that epoch's end.
-
-  A backup taken after an epoch's last step but before its end holds none of
-  what the end does (validation, the other callbacks' `on_epoch_end`: a CSV
-  row, EarlyStopping's count): a resume from it must run that end again.
-  Taken at the end instead (the same global step, after every other
-  callback's `on_epoch_end`), it resumes at the next epoch. An epoch's last
-  batch is known when the epoch's number of steps is (`last_batch(step)`).
-
-  Args:
-    cadence: the `tfdp.checkpoint.policy.Cadence` to ask.
-    last_batch: `fn(step) -> bool`: whether `step` ends the current epoch.
-  """
-
-  def __init__(self, cadence, last_batch):
-    self.cadence = cadence
-    self._last_batch = last_batch
-    self._held = None  # The step of a save held for the epoch's end.
-
-  def start(self, step):
-    self.cadence.start(step)
-    self._held = None
-
-  def due(self, step, *, last_saved_step=None, advance=True, **when) -> bool:
-    if advance and self._last_batch(step):
-      if self.cadence.due(step, last_saved_step=last_saved_step, advance=True, **when):
-        self._held = step
-      return False
-    if when.get("epoch_end") and self._held is not None:
-      held, self._held = self._held, None
-      if held == step and last_saved_step != step:
-        return True
-    return self.cadence.due(step, last_saved_step=last_saved_step, advance=advance, **when)
-
-
 def _why_no_hooks() -> str | None:
   """Why `fit` runs without tfdp's data hooks (tfdp.compat's fit_data_state not installed), or None."""
   from tfdp import compat  # pylint: disable=g-import-not-at-top

@@ -10,45 +10,41 @@ from absl import logging
 from tfdp.distribute import cluster
 from tfdp import errors
 from tfdp.checkpoint import async_writer
-from tfdp.checkpoint.local import cadence as cadence_lib
+from tfdp.checkpoint import policy
 from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.local import generations
+from tfdp.checkpoint.local import options as options_lib
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.local import peers
 from tfdp.checkpoint.format import planner
-from tfdp.checkpoint import policy
 from tfdp.checkpoint.local import replicas as replicas_lib
 from tfdp.checkpoint.local import slot_choice
 from tfdp.checkpoint.local import slots as slots_lib
 from tfdp.checkpoint.local import wire
 
 LOCAL_KEEP = generations.LOCAL_KEEP
-# With local_checkpoint_every_steps="auto": the share of the training time
-# local saves may cost (their blocked time and their writer's CPU).
-DEFAULT_OVERHEAD = 0.02
+DEFAULT_OVERHEAD = options_lib.DEFAULT_OVERHEAD
 
 
-def make(layout: layout_lib.Layout, directory: str | None, every_steps, me, timeout: float,
-         overhead: float = DEFAULT_OVERHEAD) -> "LocalTier | None":
-  """The local tier of the persistent `layout` for worker `me`, or None when not asked for.
+def make(layout: layout_lib.Layout, options: options_lib.LocalOptions, me,
+         timeout: float) -> "LocalTier | None":
+  """The local tier of the persistent `layout` for worker `me`, or None when `options` ask for none.
 
   Args:
     layout: the persistent directory's layout.
-    directory: the local root (None: the default, under /dev/shm).
-    every_steps: an int, "auto" (as often as `overhead` allows), or None.
+    options: the tier's settings (tfdp.checkpoint.local.options.LocalOptions).
     me: this worker.
     timeout: seconds to wait for peers.
-    overhead: with "auto", the share of the training time saves may cost.
 
   Raises:
     ConfigError: a bad cadence or overhead, or several workers without a
       strategy (they agree on the newest state through its collectives).
   """
-  every_steps = policy.every_steps(every_steps)
-  if directory is None and not every_steps:
+  options = options.checked()
+  if not options.wanted:
     return None
   if me.count > 1 and me.strategy is None:
     raise errors.ConfigError(
@@ -56,7 +52,8 @@ def make(layout: layout_lib.Layout, directory: str | None, every_steps, me, time
         f"{me.count} workers: the workers agree on the newest state and "
         "recover lost copies through its collectives. Build the manager under "
         "strategy.scope() or pass strategy=.")
-  return LocalTier(layout.local(directory, me.index), me, every_steps, timeout, overhead)
+  return LocalTier(layout.local(options.directory, me.index), me, options.every_steps, timeout,
+                   options.overhead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +91,7 @@ class LocalTier:
     self.worker = me.index
     self.num_workers = me.count
     self.every_steps = every_steps
-    self.cadence = cadence_lib.LocalCadence(every_steps, overhead, me)
+    self.cadence = policy.LocalCadence(every_steps, overhead, me, lambda: self.costs)
     self.token = ""
     self.skipped = 0
     # step -> manifest of this worker's committed copies; the writer thread,
@@ -139,7 +136,7 @@ class LocalTier:
 
   def due(self, step: int) -> bool:
     """Whether the training loop saves locally after `step` (every worker calls it at every step)."""
-    return self.cadence.due(step, lambda: self.costs)
+    return self.cadence.due(step)
 
   def start(self, token: str, session: str) -> None:
     """Makes the directory and removes what torn saves and cut-short transfers left."""
