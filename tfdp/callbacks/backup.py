@@ -7,14 +7,12 @@ from absl import logging
 import keras
 
 from tfdp.callbacks import backup_watch
-from tfdp.resume import callback_state
 from tfdp.distribute import cluster
 from tfdp import errors
 from tfdp.resume import fit_hooks
 from tfdp import goodput
 from tfdp.liveness import preemption
 from tfdp.resume import position as resume_lib
-from tfdp.resume import run_state
 from tfdp.resume import train_state as state_lib
 from tfdp.checkpoint.local import options as local_options_lib
 from tfdp.checkpoint import policy
@@ -112,8 +110,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       cannot create or write.
   """
 
-  # tfdp.resume.fit_hooks moves it after the fit's other callbacks.
-  tfdp_runs_last = True
+  tfdp_runs_last = True  # tfdp.resume.fit_hooks moves it after the fit's other callbacks.
 
   @property
   def wants_data_state(self) -> bool:
@@ -165,7 +162,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.position = None
     self.manager = None
     self.resumed = resume_lib.Resume()
-    self._metrics_continued = False
     self._spanning = None  # Inside tfdp.fit: its steps_per_epoch.
     self._first_epoch_done = 0  # Steps of this fit's first epoch done before it.
     self._preempted = False
@@ -247,8 +243,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     if prefix is None:  # A fresh start: nothing a failed attempt read of a backup stays.
       self.position.reset()
     self.resumed = self.position.read(prefix, self.state.step, self.manager.restored_tier)
-    self._metrics_continued = False
-    self._read_run_state(prefix)
+    self.position.metrics_pending = self.resumed.mid_epoch
+    self.position.take_chief_callbacks(prefix)
     self._goodput.restored(self.restored_step, seconds, self.manager.restored_tier)
     if self.resumed.restored:
       logging.info("Restored %s at step %d.", prefix, self.resumed.step)
@@ -300,18 +296,15 @@ class BackupAndRestore(keras.callbacks.Callback):
       except (TypeError, ValueError):
         pass  # Not a number (e.g. a learning-rate schedule's config).
 
-  def _save_if(self, cadence, step, advance=False, **when) -> bool:
-    """Saves at `step` (every worker) when `cadence` says so; the time blocked goes to goodput."""
-    if not cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=advance,
-                       **when):
-      return False
-    start = time.perf_counter()
-    self.manager.save(checkpoint_number=step, metrics=self._metrics)
-    self._goodput.blocked(time.perf_counter() - start, "persistent")
-    return True
+  def _save_if(self, cadence, step, advance=False, **when) -> None:
+    """Saves at `step` (every worker) when `cadence` says so; at a batch's end, locally too when due."""
+    due = cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=advance, **when)
+    if due or advance:  # One call for both tiers, from one snapshot.
+      self.manager.save_at_step(step, persistent=due, local=advance, metrics=self._metrics,
+                                blocked=self._blocked)
 
   def _blocked(self, seconds, tier):
-    """The time a save of `tier` blocked training, for goodput (with a local save: its interval now)."""
+    """Goodput's: the time a save of `tier` blocked training (with a local save, the interval now)."""
     self._goodput.blocked(seconds, tier)
     if tier == "local":
       self._goodput.interval(self.manager.local_interval)
@@ -331,7 +324,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       if epoch is not None:
         self.model._initial_epoch = epoch  # pylint: disable=protected-access
       skipped, data = resume_lib.resume_data(resumed, self.model, self.backup_dir,
-                                             self.restart_epoch_data)
+                                             self.restart_epoch_data, backup_watch.why_no_hooks)
       self.announce(data)
       self._preempted = False
       if self._preemption is not None:
@@ -344,7 +337,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     step = state_lib.global_step(self.model)
     self._first_epoch_done = skipped
     self._cadence.start(step)
-    self._continue_callbacks()
+    self.position.continue_callbacks(self)
 
   def on_epoch_begin(self, epoch, logs=None):
     step = state_lib.global_step(self.model)
@@ -354,7 +347,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     else:
       self.position.epoch_first_step = step - self._first_epoch_done
     self._first_epoch_done = 0
-    self._continue_metrics()
+    self.position.continue_metrics()
 
   def on_train_batch_end(self, batch, logs=None):
     step = state_lib.global_step(self.model)
@@ -362,10 +355,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # counts it as reached (and recomputed after the restart).
     self._goodput.step(step)
     self.position.batch_end(step)
-    # One call for both tiers: the persistent save when the cadence says so,
-    # the local one when its own does, from one snapshot.
-    due = self._cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=True)
-    self.manager.save_at_step(step, persistent=due, metrics=self._metrics, blocked=self._blocked)
+    self._save_if(self._cadence, step, advance=True)
     if self._preemption is not None:
       self._preemption.on_train_batch_end(batch, logs)
 
@@ -401,31 +391,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     manager, self.manager = self.manager, None
     manager.delete_directory()
 
-  # -- The run beyond the model (tfdp.resume.run_state), and what the chief says of the backups.
-
   def on_train_batch_begin(self, batch, logs=None):
     if self.manager is not None and self.manager.is_chief:
       self._watch.batch_begin(self)
 
   def _ends_epoch(self, step: int) -> bool:
     """Whether `step` is the current epoch's last (when the epoch's number of steps is known)."""
-    steps = self._spanning or (self.params or {}).get("steps")
-    return bool(steps) and step - self.position.epoch_first_step >= steps
-
-  def _read_run_state(self, prefix):
-    """After a restore: a worker the backup has no callback state of (another topology) takes the chief's."""
-    if prefix is not None and self.position.callbacks.restored is None:
-      self.position.callbacks.restored = run_state.chief_callbacks(prefix)
-
-  def _continue_callbacks(self):
-    """At train begin, after every other callback's (which resets most): their restored state."""
-    callbacks = run_state.run_callbacks(self)
-    callback_state.train_begin(callbacks)
-    self.position.callbacks.apply(callbacks)
-
-  def _continue_metrics(self):
-    """At the first epoch begin after a restore from inside an epoch: that epoch's metrics so far."""
-    if self.resumed.mid_epoch and not self._metrics_continued:
-      self.position.metrics.apply()
-    self._metrics_continued = True  # later epochs start from zero, as in the uninterrupted run
-    self.position.metrics.restored = None
+    return self.position.ends_epoch(step, self._spanning or (self.params or {}).get("steps"))

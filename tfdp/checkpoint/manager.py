@@ -16,7 +16,6 @@ from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.persistent import lease as lease_lib
 from tfdp.checkpoint.local import options as local_options_lib
-from tfdp.checkpoint.local import tier as local_lib
 from tfdp.checkpoint import recovery
 from tfdp.checkpoint import restore as restore_lib
 from tfdp.checkpoint.persistent import retention
@@ -153,12 +152,12 @@ class CheckpointManager:
     self._me = cluster.resolve(strategy, objects=checkpoint, worker_index=worker_index,
                                num_workers=num_workers)
     self._per_worker = items_lib.PerWorker(per_worker, self._me.index)
-    self._local = local_lib.make(self._layout, local_options, self._me, timeout)
+    self._local = local_options.tier(self._layout, self._me, timeout)
     started = session_lib.start(self._me, self._layout, run_id, timeout,
                                 tiers=self._local is not None)
     if started.own is not None:  # A non-chief given a directory of its own writes into the chief's.
       self._layout, self._directory = started.layout, started.layout.directory
-      self._local = local_lib.make(self._layout, local_options, self._me, timeout)
+      self._local = local_options.tier(self._layout, self._me, timeout)
     self._started = started
     self._lease = lease_lib.Holder(self._layout.lease_path, started.id, self._directory,
                                    started.lease)

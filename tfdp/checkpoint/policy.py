@@ -19,6 +19,9 @@ from tfdp.distribute import cluster
 
 # With "auto": how often (in steps) the workers measure and agree on the interval again.
 AGREE_EVERY_STEPS = 25
+# With "auto": the share of the training time local saves may cost (their
+# blocked time and their writer's CPU), unless asked otherwise.
+DEFAULT_OVERHEAD = 0.02
 
 
 @dataclasses.dataclass(frozen=True)

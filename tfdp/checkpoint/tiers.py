@@ -238,8 +238,8 @@ class Tiers:
         step=step, last_saved_step=self.last_checkpoint_step))
     return step, persistent, local
 
-  def save_at_step(self, step: int, *, persistent: bool, metrics: dict | None = None,
-                   blocked=None) -> str | None:
+  def save_at_step(self, step: int, *, persistent: bool, local: bool = True,
+                   metrics: dict | None = None, blocked=None) -> str | None:
     """The training loop's saves after `step` (every worker, at every step): one snapshot for the tiers due.
 
     The persistent tier saves checkpoint `step` when `persistent` (as
@@ -250,6 +250,8 @@ class Tiers:
     Args:
       step: the global step.
       persistent: whether the caller's cadence asks for a persistent save now.
+      local: ask the local tier's cadence (False: an epoch's end, the end of
+        training, a preemption: the persistent tier only).
       metrics: the persistent save's (see `save`).
       blocked: optional `fn(seconds, tier)` told how long each tier blocked
         the caller ("persistent" or "local").
@@ -259,7 +261,7 @@ class Tiers:
     """
     counter = None if self._step_counter is None else _number(self._step_counter)
     return self.save((counter, step, metrics, None) if persistent else None,
-                     step if self.local_due(step) else None, blocked)
+                     step if local and self.local_due(step) else None, blocked)
 
   def restored(self, prefix: str, man, tier: str) -> None:
     """After a restore of `prefix` (manifest `man`) from `tier`: the steps saved, and the local tier told."""
