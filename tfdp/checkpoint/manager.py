@@ -95,11 +95,11 @@ class CheckpointManager:
       with local_checkpoint_every_steps: under /dev/shm) of whole copies of
       the state, saved by `save_local()` in the background (docs/tiers.md).
     local_checkpoint_every_steps: how often the training loop saves locally
-      (asked through `local_due(step)`, by tfdp.callbacks and by `save()`
-      with a `step_counter`): an int N (whenever the step reaches or
-      crosses a multiple of N), or "auto": as often as `checkpoint_overhead`
-      allows, down to every step, measured as training goes and agreed by
-      the workers.
+      (asked by `save_at_step`, tfdp.callbacks', by `save()` with a
+      `step_counter`, or through `local_due(step)`): an int N (whenever the
+      step reaches or crosses a multiple of N), or "auto": as often as
+      `checkpoint_overhead` allows, down to every step, measured as training
+      goes and agreed by the workers.
     checkpoint_overhead: with "auto", the share of the training time the
       local saves may cost (blocked time plus their writer's CPU).
     local_options: the three above as one `tfdp.checkpoint.local.options.LocalOptions`.
