@@ -170,6 +170,7 @@ class CheckpointManager:
         started.id, keep=keep, hours=hours, async_save=async_save,
         max_shard_bytes=max_shard_bytes, global_batch_size=global_batch_size,
         timeout=timeout)
+    self._writer = self._persistent.writer  # The persistent saves' background thread.
     # The two tiers this manager holds; a save's snapshot goes to those due from one place.
     self._tiers = tiers_lib.Tiers(checkpoint, self._per_worker, self._persistent, self._local,
                                   step_counter, checkpoint_interval, last_checkpoint_step,
@@ -393,7 +394,7 @@ class CheckpointManager:
 
   def __del__(self):
     try:
-      if not self._persistent.writer.running():
+      if not self._writer.running():
         self._lease.release()
     except Exception:  # pylint: disable=broad-except
       pass
