@@ -11,7 +11,7 @@ from tfdp.callbacks import backup_watch
 from tfdp import callbacks
 from tfdp import cluster
 from tfdp import errors
-from tfdp.checkpoint.local import cadence
+from tfdp.checkpoint import policy
 
 
 def test_a_backup_dir_it_cannot_write_is_one_config_error_when_the_callback_is_built(tmp_path):
@@ -35,16 +35,15 @@ def test_the_interval_auto_chose_is_said_at_each_new_choice_and_a_sparser_one_wa
     capsys, caplog, monkeypatch):
   """The chief says each of the local cadence's choices once, and warns once of a sparser one."""
   me = cluster.Worker(index=0, count=1)
-  tier = cadence.LocalCadence("auto", 0.02, me)
-  backup, watch = _backup(), backup_watch.Watch()
   # A save costs 6 ms; the steps' times decide the interval at steps 25, 50, 75, 100.
-  costs = lambda: [(0.004, 0.002)] * 3  # pylint: disable=unnecessary-lambda-assignment
+  tier = policy.LocalCadence("auto", 0.02, me, costs=lambda: [(0.004, 0.002)] * 3)
+  backup, watch = _backup(), backup_watch.Watch()
   clock = [0.0]
-  monkeypatch.setattr(cadence.time, "perf_counter", lambda: clock[0])
+  monkeypatch.setattr(policy.time, "perf_counter", lambda: clock[0])
   for step in range(1, 101):
     # 10 ms steps (an interval of 30), then 37.5 ms ones (8), then 7.5 ms (40).
     clock[0] += 0.010 if step <= 50 else 0.0375 if step <= 75 else 0.0075
-    tier.due(step, costs)
+    tier.due(step)
     backup.manager.local_tuning = tier.tuning
     watch.batch_begin(backup)
   lines = capsys.readouterr().out.splitlines()

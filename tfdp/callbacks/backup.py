@@ -7,16 +7,14 @@ from absl import logging
 import keras
 
 from tfdp.callbacks import backup_watch
-from tfdp.resume import callback_state
 from tfdp.distribute import cluster
 from tfdp import errors
 from tfdp.resume import fit_hooks
 from tfdp import goodput
 from tfdp.liveness import preemption
 from tfdp.resume import position as resume_lib
-from tfdp.resume import trackables as run_state
 from tfdp.resume import train_state as state_lib
-from tfdp.checkpoint.local import tier as local_lib
+from tfdp.checkpoint.local import options as local_options_lib
 from tfdp.checkpoint import policy
 from tfdp.checkpoint.persistent import retention
 from tfdp.checkpoint.manager import CheckpointManager
@@ -112,8 +110,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       cannot create or write.
   """
 
-  # tfdp.resume.fit_hooks moves it after the fit's other callbacks.
-  tfdp_runs_last = True
+  tfdp_runs_last = True  # tfdp.resume.fit_hooks moves it after the fit's other callbacks.
 
   @property
   def wants_data_state(self) -> bool:
@@ -133,7 +130,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                keep_best=None, restart_epoch_data: bool = False,
                local_checkpoint_dir: str | None = None,
                local_checkpoint_every_steps: int | str | None = None,
-               checkpoint_overhead: float = local_lib.DEFAULT_OVERHEAD,
+               checkpoint_overhead: float = local_options_lib.DEFAULT_OVERHEAD,
                allow_partial_restore: bool = False):
     super().__init__()
     if not backup_dir:
@@ -151,20 +148,20 @@ class BackupAndRestore(keras.callbacks.Callback):
     self.save_at_end = save_at_end
     self.keep_best = None if keep_best is None else retention.parse_keep_best(keep_best)
     self.restart_epoch_data = restart_epoch_data
-    self.local_checkpoint_dir = local_checkpoint_dir
-    self.local_checkpoint_every_steps = local_checkpoint_every_steps
-    self.checkpoint_overhead = checkpoint_overhead
+    # The local tier's settings, one value to the manager and its tier.
+    self.local_options = local_options_lib.LocalOptions(
+        local_checkpoint_every_steps, checkpoint_overhead, local_checkpoint_dir)
     self.allow_partial_restore = allow_partial_restore
-    self._cadence = policy.Cadence(
+    self._cadence = policy.EpochEndCadence(
         *(() if save_freq is False else (policy.from_save_freq(save_freq),)),
-        policy.OnPreemption(), *((policy.AtTrainEnd(),) if save_at_end else ()))
+        policy.OnPreemption(), *((policy.AtTrainEnd(),) if save_at_end else ()),
+        last_batch=self._ends_epoch)
     self._metrics = {}
     self._goodput = None
     self.state = None
     self.position = None
     self.manager = None
     self.resumed = resume_lib.Resume()
-    self._metrics_continued = False
     self._spanning = None  # Inside tfdp.fit: its steps_per_epoch.
     self._first_epoch_done = 0  # Steps of this fit's first epoch done before it.
     self._preempted = False
@@ -173,8 +170,11 @@ class BackupAndRestore(keras.callbacks.Callback):
       self._preemption = preemption.PreemptionCallback(
           self._save_for_preemption, handler=preemption.SignalHandler(
               preemption_grace_seconds))
-    self._cadence = resume_lib.EpochEndCadence(self._cadence, self._ends_epoch)
     self._watch = backup_watch.Watch()
+
+  local_checkpoint_dir = property(lambda self: self.local_options.directory)
+  local_checkpoint_every_steps = property(lambda self: self.local_options.every_steps)
+  checkpoint_overhead = property(lambda self: self.local_options.overhead)
 
   @property
   def restored_step(self) -> int | None:
@@ -203,9 +203,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         async_save=self.async_save, max_shard_bytes=self.max_shard_bytes,
         keep_best=self.keep_best, per_worker=self.position.per_worker(),
         strategy=strategy, global_batch_size=self.run_config.get("global_batch_size"),
-        local_checkpoint_dir=self.local_checkpoint_dir,
-        local_checkpoint_every_steps=self.local_checkpoint_every_steps,
-        checkpoint_overhead=self.checkpoint_overhead)
+        local_options=self.local_options)
     # Its TensorBoard scalars would bring back a backup_dir deleted at the end.
     self._goodput = goodput.Recorder(self.backup_dir, chief=self.manager.is_chief,
                                      tensorboard=not self.delete_checkpoint)
@@ -245,8 +243,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     if prefix is None:  # A fresh start: nothing a failed attempt read of a backup stays.
       self.position.reset()
     self.resumed = self.position.read(prefix, self.state.step, self.manager.restored_tier)
-    self._metrics_continued = False
-    self._read_run_state(prefix)
+    self.position.metrics_pending = self.resumed.mid_epoch
+    self.position.take_chief_callbacks(prefix)
     self._goodput.restored(self.restored_step, seconds, self.manager.restored_tier)
     if self.resumed.restored:
       logging.info("Restored %s at step %d.", prefix, self.resumed.step)
@@ -298,15 +296,18 @@ class BackupAndRestore(keras.callbacks.Callback):
       except (TypeError, ValueError):
         pass  # Not a number (e.g. a learning-rate schedule's config).
 
-  def _save_if(self, cadence, step, advance=False, **when) -> bool:
-    """Saves at `step` (every worker) when `cadence` says so; the time blocked goes to goodput."""
-    if not cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=advance,
-                       **when):
-      return False
-    start = time.perf_counter()
-    self.manager.save(checkpoint_number=step, metrics=self._metrics)
-    self._goodput.blocked(time.perf_counter() - start, "persistent")
-    return True
+  def _save_if(self, cadence, step, advance=False, **when) -> None:
+    """Saves at `step` (every worker) when `cadence` says so; at a batch's end, locally too when due."""
+    due = cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=advance, **when)
+    if due or advance:  # One call for both tiers, from one snapshot.
+      self.manager.save_at_step(step, persistent=due, local=advance, metrics=self._metrics,
+                                blocked=self._blocked)
+
+  def _blocked(self, seconds, tier):
+    """Goodput's: the time a save of `tier` blocked training (with a local save, the interval now)."""
+    self._goodput.blocked(seconds, tier)
+    if tier == "local":
+      self._goodput.interval(self.manager.local_interval)
 
   def _save_for_preemption(self, step):
     self._save_if(self._cadence, step, preempted=True)
@@ -323,7 +324,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       if epoch is not None:
         self.model._initial_epoch = epoch  # pylint: disable=protected-access
       skipped, data = resume_lib.resume_data(resumed, self.model, self.backup_dir,
-                                             self.restart_epoch_data)
+                                             self.restart_epoch_data, backup_watch.why_no_hooks)
       self.announce(data)
       self._preempted = False
       if self._preemption is not None:
@@ -336,7 +337,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     step = state_lib.global_step(self.model)
     self._first_epoch_done = skipped
     self._cadence.start(step)
-    self._continue_callbacks()
+    self.position.continue_callbacks(self)
 
   def on_epoch_begin(self, epoch, logs=None):
     step = state_lib.global_step(self.model)
@@ -346,7 +347,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     else:
       self.position.epoch_first_step = step - self._first_epoch_done
     self._first_epoch_done = 0
-    self._continue_metrics()
+    self.position.continue_metrics()
 
   def on_train_batch_end(self, batch, logs=None):
     step = state_lib.global_step(self.model)
@@ -355,11 +356,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     self._goodput.step(step)
     self.position.batch_end(step)
     self._save_if(self._cadence, step, advance=True)
-    if self.manager.local_due(step):
-      start = time.perf_counter()
-      self.manager.save_local(step)
-      self._goodput.blocked(time.perf_counter() - start, "local")
-      self._goodput.interval(self.manager.local_interval)
     if self._preemption is not None:
       self._preemption.on_train_batch_end(batch, logs)
 
@@ -395,31 +391,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     manager, self.manager = self.manager, None
     manager.delete_directory()
 
-  # -- The run beyond the model (tfdp.resume.trackables), and what the chief says of the backups.
-
   def on_train_batch_begin(self, batch, logs=None):
     if self.manager is not None and self.manager.is_chief:
       self._watch.batch_begin(self)
 
   def _ends_epoch(self, step: int) -> bool:
     """Whether `step` is the current epoch's last (when the epoch's number of steps is known)."""
-    steps = self._spanning or (self.params or {}).get("steps")
-    return bool(steps) and step - self.position.epoch_first_step >= steps
-
-  def _read_run_state(self, prefix):
-    """After a restore: a worker the backup has no callback state of (another topology) takes the chief's."""
-    if prefix is not None and self.position.callbacks.restored is None:
-      self.position.callbacks.restored = run_state.chief_callbacks(prefix)
-
-  def _continue_callbacks(self):
-    """At train begin, after every other callback's (which resets most): their restored state."""
-    callbacks = run_state.run_callbacks(self)
-    callback_state.train_begin(callbacks)
-    self.position.callbacks.apply(callbacks)
-
-  def _continue_metrics(self):
-    """At the first epoch begin after a restore from inside an epoch: that epoch's metrics so far."""
-    if self.resumed.mid_epoch and not self._metrics_continued:
-      self.position.metrics.apply()
-    self._metrics_continued = True  # later epochs start from zero, as in the uninterrupted run
-    self.position.metrics.restored = None
+    return self.position.ends_epoch(step, self._spanning or (self.params or {}).get("steps"))

@@ -35,7 +35,7 @@ def check_writable(path: str) -> None:
 
 
 class Watch:
-  """What the chief says of the backups as training goes: the interval "auto" chose (tfdp.checkpoint.local.cadence measures it), and their size."""
+  """What the chief says of the backups as training goes: the interval "auto" chose (tfdp.checkpoint.policy.LocalCadence measures it), and their size."""
 
   def __init__(self):
     self.tuning = None  # The local tier's measurement said last.
@@ -87,3 +87,19 @@ class Watch:
         f"{sum(per_worker) / man.total_bytes:.0%}", resume_lib.human_bytes(man.total_bytes),
         resume_lib.human_bytes(max(per_worker)),
         resume_lib.human_bytes(man.total_bytes - sum(per_worker)))
+
+
+def why_no_hooks() -> str | None:
+  """Why `fit` runs without tfdp's data hooks (tfdp.compat's fit_data_state not installed), or None.
+
+  Asked here, as tfdp.resume may not import tfdp.compat (compat imports it).
+  """
+  from tfdp import compat  # pylint: disable=g-import-not-at-top
+  name = "fit_data_state"
+  if name in compat.applied():
+    return None
+  if name in compat.skipped():
+    return f"tfdp.compat did not install {name}: {compat.skipped()[name]}"
+  if name in compat.disabled_fixes():
+    return f"tfdp.compat's {name} is disabled by {compat.DISABLE_ENV}"
+  return f"tfdp.compat's {name} is not installed (import tfdp before fit)"

@@ -1,5 +1,13 @@
 """Sharded, atomic, verified, optionally asynchronous checkpoints across workers.
 
+Owns: the face, tf.train.CheckpointManager's API (manager.py); the two tiers
+it holds and the one place a save's snapshot goes to those due (tiers.py);
+when a save is due, the one Cadence concept (policy.py); the background
+writer thread (async_writer.py); the agreed cross-tier restore (restore.py,
+recovery.py). Below them: the format (format/), the persistent tier
+(persistent/) and the local tier (local/, set up by its LocalOptions).
+May import: tfdp.distribute, tfdp.errors.
+
 Lazy, as the `tfdp` package: `tfdp.checkpoint.format.layout` (every file name, no
 TensorFlow) can be imported by the launcher; the public names load on use.
 """

@@ -1,5 +1,6 @@
 """CheckpointManager: tf.train.CheckpointManager's API over sharded, atomic, verified, optionally async saves."""
 
+import functools
 import os
 import time
 import warnings
@@ -9,28 +10,34 @@ import tensorflow as tf
 
 from tfdp.distribute import cluster
 from tfdp import errors
-from tfdp.checkpoint import async_writer
 from tfdp.checkpoint.persistent import catalog as catalog_lib
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.persistent import lease as lease_lib
-from tfdp.checkpoint.local import tier as local_lib
-from tfdp.checkpoint.local import face as local_face
-from tfdp.checkpoint.format import manifest as manifest_lib
-from tfdp.checkpoint.format import planner
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.local import options as local_options_lib
 from tfdp.checkpoint import recovery
 from tfdp.checkpoint import restorer as restorer_lib
 from tfdp.checkpoint.persistent import retention
+from tfdp.checkpoint import tiers as tiers_lib
 from tfdp.checkpoint.persistent import session as session_lib
 from tfdp.checkpoint.persistent import writer as storage
 
 
-_number = items_lib.number
+def _local_property(get, doc, default=None):
+  """A read-only property of the manager's local tier: `get(tier)`, or `default` without one."""
+  return property(lambda self: default if self._local is None else get(self._local), doc=doc)
 
 
-class CheckpointManager(local_face.LocalFace):
+def _tiers_method(method):
+  """A method of the manager that is its `Tiers`' (the same name, arguments and docstring)."""
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    return method(self._tiers, *args, **kwargs)
+  return call
+
+
+class CheckpointManager:
   """A drop-in `tf.train.CheckpointManager` that saves sharded across workers.
 
   TF 2.21's arguments, methods and properties, with the same files on disk,
@@ -88,13 +95,14 @@ class CheckpointManager(local_face.LocalFace):
       with local_checkpoint_every_steps: under /dev/shm) of whole copies of
       the state, saved by `save_local()` in the background (docs/tiers.md).
     local_checkpoint_every_steps: how often the training loop saves locally
-      (asked through `local_due(step)`, by tfdp.callbacks and by `save()`
-      with a `step_counter`): an int N (whenever the step reaches or
-      crosses a multiple of N), or "auto": as often as `checkpoint_overhead`
-      allows, down to every step, measured as training goes and agreed by
-      the workers.
+      (asked by `save_at_step`, tfdp.callbacks', by `save()` with a
+      `step_counter`, or through `local_due(step)`): an int N (whenever the
+      step reaches or crosses a multiple of N), or "auto": as often as
+      `checkpoint_overhead` allows, down to every step, measured as training
+      goes and agreed by the workers.
     checkpoint_overhead: with "auto", the share of the training time the
       local saves may cost (blocked time plus their writer's CPU).
+    local_options: the three above as one `tfdp.checkpoint.local.options.LocalOptions`.
 
   Raises:
     ConfigError: a bad argument, or a cluster without a strategy.
@@ -115,7 +123,8 @@ class CheckpointManager(local_face.LocalFace):
                verify_on_restore: bool = True, keep_every_n_hours: float | None = None,
                local_checkpoint_dir: str | None = None,
                local_checkpoint_every_steps: int | str | None = None,
-               checkpoint_overhead: float = local_lib.DEFAULT_OVERHEAD):
+               checkpoint_overhead: float = local_options_lib.DEFAULT_OVERHEAD,
+               local_options: local_options_lib.LocalOptions | None = None):
     if not isinstance(checkpoint, tf.train.Checkpoint):
       raise errors.ConfigError(
           f"checkpoint must be a tf.train.Checkpoint, got {type(checkpoint)}; "
@@ -131,48 +140,41 @@ class CheckpointManager(local_face.LocalFace):
     if max_shard_bytes is not None and max_shard_bytes < 1:
       raise errors.ConfigError(
           f"max_shard_bytes={max_shard_bytes}: pass a positive byte count.")
-    self._keep, self._hours = retention.policies(max_to_keep, keep_best,
-                                                 keep_checkpoint_every_n_hours)
+    local_options = local_options or local_options_lib.LocalOptions(
+        local_checkpoint_every_steps, checkpoint_overhead, local_checkpoint_dir)
+    keep, hours = retention.policies(max_to_keep, keep_best, keep_checkpoint_every_n_hours)
     self._checkpoint = checkpoint
     self._directory = fs.require_directory(os.fspath(directory).rstrip("/"))
     self._layout = layout_lib.Layout(self._directory, checkpoint_name)
-    self._async = async_save
-    self._max_shard_bytes = max_shard_bytes
-    self._step_counter = step_counter
     self._checkpoint_interval = checkpoint_interval
-    self._interval = (policy.MinInterval(checkpoint_interval)
-                      if checkpoint_interval is not None else None)
-    self._last_checkpoint_step = last_checkpoint_step
-    self._last_saved_step = None
-    self._global_batch_size = global_batch_size
-    self._timeout = float(commit_timeout)
+    timeout = float(commit_timeout)
     self._init_fn = init_fn
     self._me = cluster.resolve(strategy, objects=checkpoint, worker_index=worker_index,
                                num_workers=num_workers)
     self._per_worker = items_lib.PerWorker(per_worker, self._me.index)
-    self._writer = async_writer.AsyncWriter()
-    self._seq = 0
-    self._uncommitted_count = None  # save_counter before a save not yet committed.
-    self._gather = items_lib.CachedGather(checkpoint)
-    self._taken = None  # (step, Items) a persistent save took, for the local save of its step.
-    self._local = local_lib.make(self._layout, local_checkpoint_dir,
-                                 local_checkpoint_every_steps, self._me, self._timeout,
-                                 checkpoint_overhead)
-    started = session_lib.start(self._me, self._layout, run_id, self._timeout,
+    self._local = local_options.tier(self._layout, self._me, timeout)
+    started = session_lib.start(self._me, self._layout, run_id, timeout,
                                 tiers=self._local is not None)
     if started.own is not None:  # A non-chief given a directory of its own writes into the chief's.
       self._layout, self._directory = started.layout, started.layout.directory
-      self._local = local_lib.make(self._layout, local_checkpoint_dir,
-                                   local_checkpoint_every_steps, self._me, self._timeout,
-                                   checkpoint_overhead)
+      self._local = local_options.tier(self._layout, self._me, timeout)
     self._started = started
-    self._session = started.id
     self._lease = lease_lib.Holder(self._layout.lease_path, started.id, self._directory,
                                    started.lease)
     if self._local is not None:
       self._local.start(started.token, started.id)
       self._local.connect()
     self._catalog = catalog_lib.read(self._layout, time.time())
+    self._persistent = tiers_lib.PersistentSaves(
+        checkpoint, self._layout, self._catalog, self._me, self._per_worker, self._lease,
+        started.id, keep=keep, hours=hours, async_save=async_save,
+        max_shard_bytes=max_shard_bytes, global_batch_size=global_batch_size,
+        timeout=timeout)
+    self._writer = self._persistent.writer  # The persistent saves' background thread.
+    # The two tiers this manager holds; a save's snapshot goes to those due from one place.
+    self._tiers = tiers_lib.Tiers(checkpoint, self._per_worker, self._persistent, self._local,
+                                  step_counter, checkpoint_interval, last_checkpoint_step,
+                                  started.keep_own)
     self._restorer = restorer_lib.Restorer(checkpoint, self._layout, self._catalog, self._me,
                                           self._per_worker.checkpoint, verify_on_restore,
                                           self._lease)
@@ -205,11 +207,36 @@ class CheckpointManager(local_face.LocalFace):
   @property
   def last_saved_step(self) -> int | None:
     """The step of the newest checkpoint this manager saved or restored, or None."""
-    return self._last_saved_step
+    return self._tiers.last_saved_step
 
+  _gather = property(lambda self: self._tiers.gather,  # The tiers' traced reads (tests count them).
+                     lambda self, gather: setattr(self._tiers, "gather", gather))
   worker_index = property(lambda self: self._me.index, doc="This worker's index.")
   num_workers = property(lambda self: self._me.count, doc="Number of workers.")
   is_chief = property(lambda self: self._me.is_chief, doc="Whether this worker is the chief.")
+
+  # -- the local tier (tfdp.checkpoint.tiers.Tiers; None, 0 and [] without one) --
+
+  local_checkpoint_every_steps = _local_property(
+      lambda t: t.every_steps,
+      "How often the training loop saves to the local tier (an int, 'auto' or None).")
+  local_interval = _local_property(lambda t: t.interval,
+                                   "The steps between local saves now (with 'auto': agreed).")
+  local_tuning = _local_property(
+      lambda t: t.cadence.tuning,
+      "With 'auto': the measurement behind the interval now "
+      "(tfdp.checkpoint.policy.Tuning), or None before the first.")
+  local_directory = _local_property(lambda t: t.layout.directory,
+                                    "This worker's local-tier directory.")
+  local_saves_skipped = _local_property(
+      lambda t: t.skipped,
+      "Local saves never written: a newer one came while they waited for the previous one.",
+      default=0)
+  local_due = _tiers_method(tiers_lib.Tiers.local_due)
+  local_checkpoints = _tiers_method(tiers_lib.Tiers.local_checkpoints)
+  save_local = _tiers_method(tiers_lib.Tiers.save_local)
+  save_at_step = _tiers_method(tiers_lib.Tiers.save_at_step)
+  drop_local = _tiers_method(tiers_lib.Tiers.drop_local)
 
   def save(self, checkpoint_number=None, check_interval: bool = True, options=None,
            *, metrics: dict | None = None) -> str | None:
@@ -237,39 +264,11 @@ class CheckpointManager(local_face.LocalFace):
         checkpoint with this number (of another step) or a higher one is
         already committed.
     """
-    self._wait()
+    self._persistent.wait()
     self._started.keep_own()
-    step, persistent, local = self._decide(check_interval)
-    if not persistent:
-      return self._then_local(local, step, None)
-    saved = self._saved_already(checkpoint_number, step)
-    if saved is not None:
-      logging.debug("tfdp: %s already holds step %s; not saved again.", saved, step)
-      return self._then_local(local, step, saved)
-    number, prefix = self._next_number(checkpoint_number)
-    meta = self._meta(number, number if step is None else step, metrics)
-    sweep = self._catalog.plan(prefix, number, meta.metrics, self._keep, self._hours)
-    files = self._plan(meta.step)
-    if self._me.is_chief:
-      self._lease.ensure()  # Released by close().
-    self._seq += 1
-    save_id = f"{self._session}-{self._seq:06d}"
-    job = storage.SaveJob(
-        layout=self._layout, prefix=prefix, tmp_dir=self._layout.tmp_dir(save_id, number),
-        save_id=save_id, session=self._session, worker=self._me.index,
-        num_workers=self._me.count, files=files,
-        timeout=self._timeout, meta=meta,
-        kept=tuple(os.path.basename(e.prefix) for e in sweep.kept),
-        fence=self._lease.check if self._me.is_chief else None)
-    self._last_saved_step = meta.step
-    if step is not None:
-      self._last_checkpoint_step = step
-    callbacks = list(getattr(options, "experimental_write_callbacks", None) or [])
-    if self._async:
-      self._writer.submit(lambda: self._run(job, sweep, callbacks))
-    else:
-      self._wait(lambda: self._run(job, sweep, callbacks))
-    return self._then_local(local, step, prefix)
+    step, persistent, local = self._tiers.decide(check_interval)
+    return self._tiers.save((step, checkpoint_number, metrics, options) if persistent else None,
+                            step if local else None)
 
   def restore(self, save_path: str | None = None, *, allow_partial_restore: bool = False,
               require_all: bool = False):
@@ -289,14 +288,14 @@ class CheckpointManager(local_face.LocalFace):
       IncompatibleCheckpointError: a checkpoint of another model (nothing
         is assigned).
     """
-    self._wait()
+    self._persistent.wait()
     self._restorer.allow_partial, self._restorer.require_all = allow_partial_restore, require_all
     save_path = save_path or self.latest_checkpoint
     if save_path is None:
       raise errors.CheckpointError(
           f"No committed checkpoint in {self._directory} to restore.")
     status, man = self._restorer.restore(save_path)
-    self._restored(save_path, man, "persistent")
+    self._tiers.restored(save_path, man, "persistent")
     return status
 
   def restore_newest_intact(self, before_restore=None, *, allow_partial_restore: bool = False,
@@ -336,13 +335,13 @@ class CheckpointManager(local_face.LocalFace):
       IncompatibleCheckpointError: the newest checkpoint is of another
         model (see above).
     """
-    self._wait()
+    self._persistent.wait()
     self._restorer.allow_partial, self._restorer.require_all = allow_partial_restore, require_all
     found = recovery.restore_newest(self._checkpoint, self._local, self._me, self._restorer,
                                     before_restore)
     self.restored_tier = found.tier if found else None
     if found is not None:
-      self._restored(found.prefix, found.manifest, found.tier)
+      self._tiers.restored(found.prefix, found.manifest, found.tier)
     return found.prefix if found else None
 
   def restore_or_initialize(self) -> str | None:
@@ -361,7 +360,7 @@ class CheckpointManager(local_face.LocalFace):
     """Waits for the background saves (and their deletions); re-raises a persistent save's error."""
     if self._local is not None:
       self._local.wait()
-    self._wait()
+    self._persistent.wait()
 
   wait_until_finished = sync
 
@@ -399,90 +398,3 @@ class CheckpointManager(local_face.LocalFace):
         self._lease.release()
     except Exception:  # pylint: disable=broad-except
       pass
-
-  # -- the steps of a save --
-
-  def _decide(self, check_interval):
-    """(the step counter's value or None, save persistently, save locally).
-
-    TF's rule: with a `checkpoint_interval` the interval decides; without,
-    every call saves. The step is the manifest's whenever there is a step
-    counter. The local tier's cadence counts the step counter's.
-    """
-    step = None if self._step_counter is None else _number(self._step_counter)
-    local = check_interval and step is not None and self.local_due(step)
-    if self._interval is None:
-      return step, True, local
-    decision = policy.AnyOf((self._interval if check_interval else policy.Always(),))
-    persistent = decision.should_save(policy.SaveContext(
-        step=step, last_saved_step=self._last_checkpoint_step))
-    return step, persistent, local
-
-  def _saved_already(self, checkpoint_number, step):
-    """The prefix of the newest checkpoint when `checkpoint_number` is its number and it holds this step; else None.
-
-    The step is the step counter's: the same step is the same state. Without
-    a step counter nothing tells a repeat of the saved state from a changed
-    one at the same number, so the save is refused (catalog.check_new) rather
-    than a changed state dropped.
-    """
-    if checkpoint_number is None or step is None:
-      return None
-    prefix = self._layout.prefix(_number(checkpoint_number))
-    man = self._catalog.manifest(prefix) if prefix == self._catalog.newest() else None
-    return prefix if man is not None and man.step == step else None
-
-  def _next_number(self, checkpoint_number):
-    """The number and prefix of the next checkpoint; increments save_counter once they are valid."""
-    counter = self._checkpoint.save_counter
-    before = _number(counter)
-    number = before + 1 if checkpoint_number is None else _number(checkpoint_number)
-    prefix = self._layout.prefix(number)
-    self._catalog.check_new(prefix)
-    counter.assign_add(1)
-    self._uncommitted_count = before
-    return number, prefix
-
-  def _plan(self, step):
-    """This worker's files of the save: a host snapshot of its part when async."""
-    items = items_lib.gather(self._checkpoint)
-    self._gather.check(items)
-    own = self._per_worker.items()
-    plan = planner.plan_save(items, self._me.count, max_shard_bytes=self._max_shard_bytes,
-                             local_items={self._me.index: own})
-    files = plan.for_worker(self._me.index)
-    if self._local is not None:  # Until the local save of this step, or the next step's.
-      self._taken = (step, items + own)
-    return [items_lib.snapshot(f) for f in files] if self._async else files
-
-  def _wait(self, run=None):
-    """Waits for the background save (or runs `run` now); a failure gives back its save_counter increment."""
-    try:
-      self._writer.wait()
-      if run is not None:
-        run()
-    except BaseException:
-      if self._uncommitted_count is not None:
-        self._checkpoint.save_counter.assign(self._uncommitted_count)
-      self._uncommitted_count = None
-      raise
-    self._uncommitted_count = None
-
-  def _run(self, job, sweep, callbacks):
-    """Runs the job, then the commit's bookkeeping (in the writer's thread when async)."""
-    storage.after_commit(self._layout, self._catalog, storage.run(job), job.prefix, sweep,
-                         self._me.is_chief)
-    for fn in callbacks:
-      fn(job.prefix)
-
-  def _meta(self, number, step, metrics, **extra):
-    return manifest_lib.SaveMeta.new(number, step, metrics, self._global_batch_size,
-                                     self._per_worker.keys, **extra)
-
-  def _restored(self, prefix, man, tier):
-    step = man.step if man is not None else layout_lib.number_of(prefix)
-    self._last_saved_step = step
-    if self._interval is not None:
-      self._last_checkpoint_step = self._last_saved_step = _number(self._step_counter)
-    if self._local is not None:  # What an abandoned attempt saved past it goes, on every worker.
-      self._local.restored(step, tier)

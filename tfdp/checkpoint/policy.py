@@ -1,10 +1,27 @@
-"""When to act at a step (save, save locally, evaluate, summarize): small pure policies, combined by AnyOf, asked through a Cadence."""
+"""When to act at a step (save, save locally, evaluate, summarize): small pure policies, combined by AnyOf, asked through a Cadence.
 
+The one concept of "is a save due now": `Cadence` (a policy and the previous
+decision point) and its variants, `EpochEndCadence` (a backup's: saves due on
+an epoch's last batch wait for its end) and `LocalCadence` (the local tier's:
+every N steps, or "auto", measured and agreed by the workers).
+"""
+
+import collections
 import dataclasses
 import math
+import time
 from typing import Protocol, Sequence
 
+from absl import logging
+
 from tfdp import errors
+from tfdp.distribute import cluster
+
+# With "auto": how often (in steps) the workers measure and agree on the interval again.
+AGREE_EVERY_STEPS = 25
+# With "auto": the share of the training time local saves may cost (their
+# blocked time and their writer's CPU), unless asked otherwise.
+DEFAULT_OVERHEAD = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,3 +229,141 @@ class Cadence:
     if advance:
       self.previous = step
     return self.decision.should_save(ctx)
+
+
+class EpochEndCadence(Cadence):
+  """A backup's `Cadence` whose saves due on an epoch's last batch wait for that epoch's end.
+
+  A backup taken after an epoch's last step but before its end holds none of
+  what the end does (validation, the other callbacks' `on_epoch_end`: a CSV
+  row, EarlyStopping's count): a resume from it must run that end again.
+  Taken at the end instead (the same global step, after every other
+  callback's `on_epoch_end`), it resumes at the next epoch. An epoch's last
+  batch is known when the epoch's number of steps is (`last_batch(step)`).
+
+  Args:
+    *policies: as `Cadence`'s.
+    last_batch: `fn(step) -> bool`: whether `step` ends the current epoch.
+  """
+
+  def __init__(self, *policies: SaveDecisionPolicy, last_batch):
+    super().__init__(*policies)
+    self._last_batch = last_batch
+    self._held = None  # The step of a save held for the epoch's end.
+
+  def start(self, step: int | None) -> None:
+    super().start(step)
+    self._held = None
+
+  def due(self, step: int, *, last_saved_step: int | None = None, advance: bool = True,
+          **when) -> bool:
+    if advance and self._last_batch(step):
+      if super().due(step, last_saved_step=last_saved_step, advance=True, **when):
+        self._held = step
+      return False
+    if when.get("epoch_end") and self._held is not None:
+      held, self._held = self._held, None
+      if held == step and last_saved_step != step:
+        return True
+    return super().due(step, last_saved_step=last_saved_step, advance=advance, **when)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """One of "auto"'s measurements: the interval the workers agreed on, and what it came from."""
+  step: int
+  interval: int
+  cost: float | None  # Seconds per save (blocked plus its writer's CPU; median), None: unmeasured.
+  step_seconds: float
+  budget: float  # The share of the training time saves may cost.
+  worker: int | None = None  # Whose measurement chose it (of several workers).
+
+  def describe(self) -> str:
+    """The line the chief says when the interval is first chosen or changes."""
+    on = "" if self.worker is None else f" on worker {self.worker}"
+    return (f"local saves every {self.interval} step(s) (local_checkpoint_every_steps='auto': "
+            f"a save costs {self.cost_text}{on}, blocked plus its writer's CPU; a step "
+            f"{1e3 * self.step_seconds:.1f} ms; the budget is {100 * self.budget:.0f}% of "
+            "the training time)")
+
+  @property
+  def cost_text(self) -> str:
+    return "unknown" if self.cost is None else f"{1e3 * self.cost:.1f} ms"
+
+
+class LocalCadence(Cadence):
+  """The local tier's `Cadence`: whether the training loop saves locally after a step (every worker asks at every step).
+
+  Args:
+    every_steps: an int, "auto", or None (when the caller says).
+    overhead: with "auto", the share of the training time saves may cost.
+    me: this worker (`tfdp.distribute.cluster.Worker`, its strategy for the agreement).
+    costs: `fn()` -> (blocked, writer CPU) seconds of the latest saves.
+  """
+
+  def __init__(self, every_steps, overhead: float, me, costs):
+    self.every_steps = every_steps
+    self.me = me
+    self._costs = costs
+    self._auto = EveryAutoSteps(overhead) if every_steps == "auto" else None
+    rule = self._auto or (EveryNSteps(every_steps) if every_steps else None)
+    super().__init__(*((rule,) if rule else ()))
+    self._window = Cadence(EveryNSteps(AGREE_EVERY_STEPS))
+    self._window_start = None  # (time, step, blocked so far) where the window began.
+    self.blocked_total = 0.0
+    # The seconds the caller was blocked in the latest saves.
+    self.blocked = collections.deque(maxlen=16)
+    # With "auto": the latest measurement that chose a new interval (or the first).
+    self.tuning: Tuning | None = None
+
+  @property
+  def interval(self) -> int | None:
+    """The steps between local saves now (with "auto": the agreed one)."""
+    return self._auto.interval if self._auto else self.every_steps
+
+  def note_blocked(self, seconds: float) -> None:
+    self.blocked_total += seconds
+    self.blocked.append(seconds)
+
+  def due(self, step: int, **kwargs) -> bool:
+    """Whether to save after `step` (`kwargs` as `Cadence.due`'s).
+
+    With "auto", every AGREE_EVERY_STEPS steps the workers measure what a
+    save cost (its blocked time plus its writer's CPU, the median of the
+    last ones) against the time a step took in the window, and agree (one
+    small all-reduce, the largest proposal) on the smallest interval within
+    the overhead budget; before the first window, every step.
+    """
+    if self._auto is not None:
+      self._retune(step, self._costs)
+    return super().due(step, **kwargs)
+
+  def _retune(self, step, costs):
+    now = time.perf_counter()
+    if self._window_start is None:
+      self._window.start(step)
+      self._window_start = (now, step, self.blocked_total)
+      return
+    if not self._window.due(step):
+      return
+    t0, s0, blocked0 = self._window_start
+    self._window_start = (now, step, self.blocked_total)
+    measured = sorted(b + w for b, w in costs())
+    cost = measured[len(measured) // 2] if measured else None
+    step_seconds = max(0.0, now - t0 - (self.blocked_total - blocked0)) / max(1, step - s0)
+    proposal = (self._auto.interval if cost is None
+                else self._auto.interval_for(cost, step_seconds))
+    worker = None
+    if self.me.count > 1:
+      # The largest proposal wins; its worker's figures are the ones said,
+      # so the line's numbers give its interval on every worker.
+      rows = cluster.gather([proposal, -1.0 if cost is None else cost, step_seconds],
+                            self.me.strategy)
+      worker = max(range(len(rows)), key=lambda w: (rows[w][0], -w))
+      proposal, cost, step_seconds = int(rows[worker][0]), rows[worker][1], rows[worker][2]
+      cost = None if cost < 0 else float(cost)
+    if self.tuning is None or proposal != self._auto.interval:
+      self._auto.interval = proposal
+      self.tuning = Tuning(step, proposal, cost, float(step_seconds), self._auto.budget, worker)
+      if self.me.is_chief:
+        logging.info("tfdp: %s.", self.tuning.describe())

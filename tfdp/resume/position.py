@@ -1,18 +1,20 @@
-"""Where a resumed Keras run continues: what a backup records of its position, read back once into a `Resume`."""
+"""Where a resumed Keras run continues: what a backup records of its position, read back once into a `Resume`.
+
+The data position itself is tfdp.resume.data_position's; the save cadence
+is tfdp.checkpoint.policy's.
+"""
 
 import dataclasses
-import time
-import weakref
 
 from absl import logging
 import tensorflow as tf
-from tensorflow.python.trackable import base as trackable_base
 
 from tfdp.distribute import cluster
 from tfdp import errors
+from tfdp.resume import callback_state
+from tfdp.resume import data_position
 from tfdp.resume import fit_hooks
 from tfdp.resume import trackables as run_state
-from tfdp.resume import train_state as state_lib
 
 # Name of the completed-epoch counter a backup holds (Keras's callback keeps
 # the same number in its training metadata).
@@ -105,10 +107,11 @@ class Position:
     setattr(checkpoint, EPOCH_KEY, self.epoch)
     setattr(checkpoint, STEP_IN_EPOCH_KEY, self.step_in_epoch)
     setattr(checkpoint, DATA_TOPOLOGY_KEY, self.topology)
-    self.data = DataPosition(callback)
+    self.data = data_position.DataPosition(callback)
     self.callbacks = run_state.CallbackStates(callback)
     self.metrics = run_state.MetricStates(callback)
     self.epoch_first_step = 0  # The global step the current epoch began at.
+    self.metrics_pending = False  # The restored epoch's metrics so far wait for its begin.
 
   def per_worker(self) -> dict:
     """The backup's per-worker state: name -> trackable (a `tfdp.CheckpointManager`'s `per_worker`)."""
@@ -133,6 +136,28 @@ class Position:
                   step_in_epoch=in_epoch if in_epoch >= 0 else None, data=self.data.restored,
                   topology=tuple(int(v) for v in self.topology.numpy()), tier=tier)
 
+  def take_chief_callbacks(self, prefix: str | None) -> None:
+    """After a restore: a worker the backup has no callback state of (another topology) takes the chief's."""
+    if prefix is not None and self.callbacks.restored is None:
+      self.callbacks.restored = run_state.chief_callbacks(prefix)
+
+  def continue_callbacks(self, callback) -> None:
+    """At train begin, after every other callback's (which resets most): their restored state."""
+    callbacks = run_state.run_callbacks(callback)
+    callback_state.train_begin(callbacks)
+    self.callbacks.apply(callbacks)
+
+  def continue_metrics(self) -> None:
+    """At the first epoch begin after a restore from inside an epoch: that epoch's metrics so far."""
+    if self.metrics_pending:
+      self.metrics.apply()
+    self.metrics_pending = False  # Later epochs start from zero, as in the uninterrupted run.
+    self.metrics.restored = None
+
+  def ends_epoch(self, step: int, steps: int | None) -> bool:
+    """Whether `step` is the current epoch's last, the epoch having `steps` (None: unknown)."""
+    return bool(steps) and step - self.epoch_first_step >= steps
+
   def epoch_begin(self, epoch: int) -> None:
     """Epoch `epoch` (0-based: the epochs completed) begins: a backup in it knows its epoch."""
     self.epoch.assign(epoch)
@@ -145,92 +170,19 @@ class Position:
     self.step_in_epoch.assign(0)
 
 
-# A position is saved as a whole iterator state taken at some step plus the
-# steps since (replayed at restore). Taking the whole state costs what
-# tf.data's SerializeIterator costs for the pipeline's buffers (about 10 us
-# per buffered tensor: 100+ ms for a shuffle(10_000) of small examples), so
-# it is taken again only once this share of the time since the last one
-# would pay for it, and at most every REPLAY_MAX_STEPS steps.
-CAPTURE_BUDGET = 0.01
-REPLAY_MAX_STEPS = 2000
-
-
-@dataclasses.dataclass
-class _Base:
-  """A whole iterator state taken at `step`, of `iterator` (a weak reference: the base does not keep it alive)."""
-  iterator: weakref.ref
-  state: tf.Tensor  # The variant: bytes are made by the checkpoint's writer.
-  step: int
-  seconds: float  # What taking it cost.
-  time: float
-
-
-class DataPosition(trackable_base.Trackable):
-  """A backup's per-worker part: where this worker's training data is.
-
-  Saved with every backup (each worker under its own key, in the same commit
-  as the variables, taken at the same step) as an iterator state plus the
-  steps taken since it; restored into the iterator the resumed `fit` makes
-  first, which then replays those steps' elements.
-  """
-
-  def __init__(self, callback):
-    self._callback = callback
-    self.restored = None
-    self.kind = "none"
-    self._warned = False
-    self._base = None
-
-  @property
-  def tfdp_required(self) -> bool:
-    """Whether the last saved position must be restored exactly (peer recovery needs it not to be)."""
-    return self.kind != "none"
-
-  def _serialize_to_tensors(self):
-    cb = self._callback
-    run = fit_hooks.current(cb.model) if cb.model is not None else None
-    state, made, kind, skip = tf.constant(b""), 0, "none", 0
-    if run is not None and run.dataset is not None:
-      at_epoch_end = int(cb.position.step_in_epoch.numpy()) == 0
-      it = run.next_iterator(at_epoch_end=at_epoch_end)
-      made, kind = run.dataset.iterators_made, "fresh"
-      if it is not None:
-        made = it._index - 1  # pylint: disable=protected-access
-        try:
-          base = self._base_for(it, state_lib.global_step(cb.model))
-          state, kind, skip = base.state, "iterator", state_lib.global_step(cb.model) - base.step
-        except errors.CheckpointError as e:
-          kind = "none"
-          if not self._warned:
-            self._warned = True
-            logging.warning("tfdp: backups will not hold the data position: %s", e)
-    self.kind = kind
-    return {"state": state, "made": tf.constant(made, tf.int64),
-            "kind": tf.constant(kind), "skip": tf.constant(skip, tf.int64)}
-
-  def _base_for(self, it, step: int) -> _Base:
-    """The whole state to save this position against: the last one taken, or a new one when due."""
-    base, now = self._base, time.perf_counter()
-    if (base is None or base.iterator() is not it or step < base.step
-        or step - base.step > REPLAY_MAX_STEPS
-        or base.seconds < CAPTURE_BUDGET * (now - base.time)):
-      start = time.perf_counter()
-      variant = it.state_variant()
-      base = self._base = _Base(weakref.ref(it), variant, step, time.perf_counter() - start, now)
-    return base
-
-  def _restore_from_tensors(self, restored_tensors):
-    self.restored = {k: v.numpy() for k, v in restored_tensors.items()}
-    return []
-
-  def fit_ended(self) -> None:
-    """The fit's iterator is gone: so goes the state taken of it (it holds that iterator's buffered elements)."""
-    self._base = None
-
-
-def resume_data(resume: Resume, model, backup_dir: str,
-                restart_epoch_data: bool) -> tuple[int, str | None]:
+def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool,
+                why_no_hooks) -> tuple[int, str | None]:
   """Puts a restored data position into the running `fit`'s input.
+
+  Args:
+    resume: what the restore restored.
+    model: the model whose `fit` runs.
+    backup_dir: the backups' directory (named in a refusal).
+    restart_epoch_data: restart the interrupted epoch's data rather than
+      refuse a backup of another topology.
+    why_no_hooks: `fn()` -> why `fit` runs without tfdp's data hooks, or
+      None (tfdp.compat installs them, and resume may not import it: the
+      caller asks).
 
   Returns:
     (the steps of the epoch it skips, what became of the data position: a
@@ -245,7 +197,7 @@ def resume_data(resume: Resume, model, backup_dir: str,
   if not resume.restored:
     return 0, None
   if run is None:
-    reason = _why_no_hooks()
+    reason = why_no_hooks()
     if resume.topology[0] and reason:
       logging.warning("tfdp: the backup holds the data position, but %s; the interrupted "
                       "epoch restarts from its first batch.", reason)
@@ -292,52 +244,3 @@ def human_bytes(n: float) -> str:
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
     n /= 1000.0
   return f"{n:.1f} TB"
-
-
-class EpochEndCadence:
-  """A backup's `Cadence` whose saves due on an epoch's last batch wait for that epoch's end.
-
-  A backup taken after an epoch's last step but before its end holds none of
-  what the end does (validation, the other callbacks' `on_epoch_end`: a CSV
-  row, EarlyStopping's count): a resume from it must run that end again.
-  Taken at the end instead (the same global step, after every other
-  callback's `on_epoch_end`), it resumes at the next epoch. An epoch's last
-  batch is known when the epoch's number of steps is (`last_batch(step)`).
-
-  Args:
-    cadence: the `tfdp.checkpoint.policy.Cadence` to ask.
-    last_batch: `fn(step) -> bool`: whether `step` ends the current epoch.
-  """
-
-  def __init__(self, cadence, last_batch):
-    self.cadence = cadence
-    self._last_batch = last_batch
-    self._held = None  # The step of a save held for the epoch's end.
-
-  def start(self, step):
-    self.cadence.start(step)
-    self._held = None
-
-  def due(self, step, *, last_saved_step=None, advance=True, **when) -> bool:
-    if advance and self._last_batch(step):
-      if self.cadence.due(step, last_saved_step=last_saved_step, advance=True, **when):
-        self._held = step
-      return False
-    if when.get("epoch_end") and self._held is not None:
-      held, self._held = self._held, None
-      if held == step and last_saved_step != step:
-        return True
-    return self.cadence.due(step, last_saved_step=last_saved_step, advance=advance, **when)
-
-
-def _why_no_hooks() -> str | None:
-  """Why `fit` runs without tfdp's data hooks (tfdp.compat's fit_data_state not installed), or None."""
-  from tfdp import compat  # pylint: disable=g-import-not-at-top
-  name = "fit_data_state"
-  if name in compat.applied():
-    return None
-  if name in compat.skipped():
-    return f"tfdp.compat did not install {name}: {compat.skipped()[name]}"
-  if name in compat.disabled_fixes():
-    return f"tfdp.compat's {name} is disabled by {compat.DISABLE_ENV}"
-  return f"tfdp.compat's {name} is not installed (import tfdp before fit)"

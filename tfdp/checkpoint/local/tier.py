@@ -8,63 +8,24 @@ import time
 from absl import logging
 
 from tfdp.distribute import cluster
-from tfdp import errors
-from tfdp.checkpoint import async_writer
-from tfdp.checkpoint.local import cadence as cadence_lib
+from tfdp.checkpoint import policy
 from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.local import generations
+from tfdp.checkpoint.local import held_copies
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.local import peers
 from tfdp.checkpoint.format import planner
-from tfdp.checkpoint import policy
 from tfdp.checkpoint.local import replicas as replicas_lib
+from tfdp.checkpoint.local import save_queue
 from tfdp.checkpoint.local import slot_choice
 from tfdp.checkpoint.local import slots as slots_lib
 from tfdp.checkpoint.local import wire
 
 LOCAL_KEEP = generations.LOCAL_KEEP
-# With local_checkpoint_every_steps="auto": the share of the training time
-# local saves may cost (their blocked time and their writer's CPU).
-DEFAULT_OVERHEAD = 0.02
-
-
-def make(layout: layout_lib.Layout, directory: str | None, every_steps, me, timeout: float,
-         overhead: float = DEFAULT_OVERHEAD) -> "LocalTier | None":
-  """The local tier of the persistent `layout` for worker `me`, or None when not asked for.
-
-  Args:
-    layout: the persistent directory's layout.
-    directory: the local root (None: the default, under /dev/shm).
-    every_steps: an int, "auto" (as often as `overhead` allows), or None.
-    me: this worker.
-    timeout: seconds to wait for peers.
-    overhead: with "auto", the share of the training time saves may cost.
-
-  Raises:
-    ConfigError: a bad cadence or overhead, or several workers without a
-      strategy (they agree on the newest state through its collectives).
-  """
-  every_steps = policy.every_steps(every_steps)
-  if directory is None and not every_steps:
-    return None
-  if me.count > 1 and me.strategy is None:
-    raise errors.ConfigError(
-        "The local checkpoint tier needs a MultiWorkerMirroredStrategy with "
-        f"{me.count} workers: the workers agree on the newest state and "
-        "recover lost copies through its collectives. Build the manager under "
-        "strategy.scope() or pass strategy=.")
-  return LocalTier(layout.local(directory, me.index), me, every_steps, timeout, overhead)
-
-
-@dataclasses.dataclass(frozen=True)
-class Held:
-  """One intact local copy of this worker."""
-  step: int
-  prefix: str
-  manifest: manifest_lib.Manifest
+Held = held_copies.Held  # One intact local copy (tfdp.checkpoint.recovery offers them).
 
 
 class LocalTier:
@@ -88,15 +49,14 @@ class LocalTier:
   """
 
   def __init__(self, layout: layout_lib.Layout, me, every_steps, timeout: float,
-               overhead: float = DEFAULT_OVERHEAD):
+               overhead: float = policy.DEFAULT_OVERHEAD):
     self.layout = layout
     self.me = me
     self.worker = me.index
     self.num_workers = me.count
     self.every_steps = every_steps
-    self.cadence = cadence_lib.LocalCadence(every_steps, overhead, me)
+    self.cadence = policy.LocalCadence(every_steps, overhead, me, lambda: self.costs)
     self.token = ""
-    self.skipped = 0
     # step -> manifest of this worker's committed copies; the writer thread,
     # the side channel's and the caller's use it under `_lock`.
     self._copies = {}
@@ -108,9 +68,7 @@ class LocalTier:
     self.replicas = replicas_lib.Replicas(layout.directory, layout.name)
     self._timeout = timeout
     self._session = ""
-    self._writer = async_writer.AsyncWriter()
-    self._writing = False  # A save is being written; with one worker the next waits in `_pending`.
-    self._pending = None
+    self._queue = save_queue.SaveQueue(self._write)
     self._keep = None  # The step a restore falls back to if a transfer fails (`receiving`).
     self.link = None  # The side channel to the other workers (tfdp.checkpoint.local.peers).
 
@@ -139,7 +97,7 @@ class LocalTier:
 
   def due(self, step: int) -> bool:
     """Whether the training loop saves locally after `step` (every worker calls it at every step)."""
-    return self.cadence.due(step, lambda: self.costs)
+    return self.cadence.due(step)
 
   def start(self, token: str, session: str) -> None:
     """Makes the directory and removes what torn saves and cut-short transfers left."""
@@ -147,30 +105,21 @@ class LocalTier:
     fs.make_private_dir(self.layout.directory)
     copies.cleanup(self.layout, session)
     self.replicas.cleanup()
-    found = {}
-    for step in copies.committed(self.layout):
-      man = manifest_lib.read_manifest(self.layout.prefix(step))
-      k = None if man is None else copies.slot_index(self.layout, man)
-      if k is None:
-        copies.delete(self.layout, self.layout.prefix(step))  # Torn, or not a slot copy.
-        continue
-      found.setdefault(k, []).append((man.sequence, step, man))
+    kept, sequence = held_copies.scan(self.layout)
     with self._lock:
-      self._copies = {}
-      for records in found.values():
-        records.sort(key=lambda r: r[:2])
-        for _, step, _ in records[:-1]:  # The slot was filled again after them.
-          copies.delete(self.layout, self.layout.prefix(step))
-        self._sequence = max(self._sequence, records[-1][0])
-        self._copies[records[-1][1]] = records[-1][2]
+      self._copies = kept
+      self._sequence = max(self._sequence, sequence)
     if self.num_workers == 1:
       self.replicas.drop()  # Of an earlier job of several workers.
 
-  # -- saving --
+  @property
+  def skipped(self) -> int:
+    """Local saves never written: replaced while waiting, or no slot they may fill."""
+    return self._queue.skipped
 
   def busy(self) -> bool:
     """Whether a save is being written (a new one would wait for it)."""
-    return self._writing
+    return self._queue.busy()
 
   def save(self, step: int, take, meta) -> str:
     """Saves local copy `step` of the Items `take()` returns, written in the background.
@@ -183,13 +132,11 @@ class LocalTier:
     With several workers, a save while the previous one is being written
     waits for it (the caller is blocked; counted in the cadence's blocked
     time, so "auto" saves less often): every worker writes every save due,
-    so each step is complete everywhere one save after it was due, and a
-    replaced host recovers at most one interval behind the last save.
-    Skipping saves instead would let each worker skip others (its writer's
-    own timing), and the steps complete everywhere would be rare. With one
-    worker, it waits in place of any save waiting already (counted in
-    `skipped`): the newest save due is written. A copy of the same step
-    already held (an earlier attempt's) is replaced.
+    so each step is complete everywhere one save after it was due (skipping
+    instead, each worker would skip others, and such steps would be rare).
+    With one worker, it waits in the queue (tfdp.checkpoint.local.save_queue)
+    in place of any save waiting there. A copy of the same step already held
+    (an earlier attempt's) is replaced.
 
     Args:
       step: the global step.
@@ -206,29 +153,8 @@ class LocalTier:
     if self.num_workers > 1 and self.busy():
       self.wait()  # Keeping up (see above): a failed save before this one is logged here.
     self.cadence.note_blocked(time.perf_counter() - start)
-    with self._lock:
-      if self._writing:
-        self.skipped += self._pending is not None
-        self._pending = job
-        return prefix
-      self._writing = True
-    self.wait()  # A failed save before this one is logged here; training goes on.
-    self._writer.submit(lambda: self._drain(job))
+    self._queue.put(job)
     return prefix
-
-  def _drain(self, job):
-    """The writer thread: writes `job`, then whatever save came meanwhile."""
-    error = None
-    while job is not None:
-      try:
-        self._write(*job)
-      except Exception as e:  # pylint: disable=broad-except
-        error = error or e
-      with self._lock:
-        job, self._pending = self._pending, None
-        self._writing = job is not None
-    if error is not None:
-      raise error
 
   def _write(self, step, prefix, items, meta):
     with self._lock:
@@ -237,8 +163,7 @@ class LocalTier:
       self.delete(prefix)
     k = self._free_slot()
     if k is None:
-      with self._lock:
-        self.skipped += 1
+      self._queue.skip()
       return
     root = layout_lib.per_worker_prefix(self.worker)
     own = [it for it in items if it.key.startswith(root)]
@@ -283,7 +208,7 @@ class LocalTier:
   @property
   def costs(self) -> list[tuple[float, float]]:
     """(seconds the caller was blocked, the writer thread's CPU seconds) of the latest saves."""
-    return list(zip(self.cadence.blocked, self._writer.cpu_seconds))
+    return list(zip(self.cadence.blocked, self._queue.cpu_seconds))
 
   def _base(self, meta) -> manifest_lib.Manifest:
     """The manifest fields of a save with `meta` known before it is written."""
@@ -308,13 +233,9 @@ class LocalTier:
     """Steps of the per-worker states this worker keeps of its left neighbour (of this run)."""
     if self.link is None:
       return []
-    out = []
-    for step in self.replicas.steps(self.link.left):
-      found = self.replicas.get(self.link.left, step)
-      if found is not None and found[0].get("token") == self.token and (
-          found[0].get("world_size") == self.num_workers):
-        out.append(step)
-    return out
+    kept = ((s, self.replicas.get(self.link.left, s)) for s in self.replicas.steps(self.link.left))
+    return [s for s, found in kept if found is not None and found[0].get("token") == self.token
+            and found[0].get("world_size") == self.num_workers]
 
   def send_of(self, held: Held) -> tuple[str, int]:
     """(the slot file, its bytes) of local copy `held` that a holder sends."""
@@ -364,11 +285,7 @@ class LocalTier:
 
   def wait(self) -> None:
     """Waits for the background save; a failed one is logged (training goes on)."""
-    try:
-      self._writer.wait()
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("tfdp: a local checkpoint save failed (training goes on; the "
-                      "persistent tier is not affected): %s", e)
+    self._queue.wait()
 
   # -- what is held --
 
@@ -387,18 +304,7 @@ class LocalTier:
     out = []
     for prefix in reversed(self.committed()):
       man = manifest_lib.read_manifest(prefix)
-      problem = None
-      if man is None or man.tier != "local":
-        problem = "no local-tier manifest"
-      elif man.run_token != self.token:
-        problem = "of another run in this directory"
-      elif man.world_size != self.num_workers:
-        problem = f"saved by a job of {man.world_size} workers, this one has {self.num_workers}"
-      else:
-        try:
-          copies.check(self.layout, prefix, man)
-        except errors.CorruptCheckpointError as e:
-          problem = str(e)
+      problem = held_copies.problem(self.layout, prefix, man, self.token, self.num_workers)
       if problem is not None:
         if man is None or man.run_token == self.token:
           logging.warning("tfdp: deleting local checkpoint %s: %s", prefix, problem)
@@ -452,11 +358,11 @@ class LocalTier:
           if newer(s):
             self.replicas.delete(source, s)
     self.generations.restored(step)
-    self.clear_recovery()
+    held_copies.clear_recovery(self.layout)
 
   def mark_recovery(self, step: int) -> None:
-    """Peer recovery markers: notes, before a peer recovery of `step` starts, that it is under way."""
-    fs.write_json_atomic(self.layout.recovery_marker(step), {"step": step, "time": time.time()})
+    """Notes, before a peer recovery of `step` starts, that it is under way (see `failed_recovery`)."""
+    held_copies.mark_recovery(self.layout, step)
 
   def failed_recovery(self) -> list[int]:
     """Steps of peer recoveries that an earlier attempt started and never finished (it crashed).
@@ -470,13 +376,6 @@ class LocalTier:
                       "it); not trying a peer recovery again now.", step)
       self.drop_step(step)
     return steps
-
-  def clear_recovery(self) -> None:
-    for step in self.layout.recovery_steps():
-      try:
-        os.remove(self.layout.recovery_marker(step))
-      except OSError:
-        pass
 
   def close(self) -> None:
     """Waits for the background save, then ends the side channel."""
@@ -496,4 +395,4 @@ class LocalTier:
       if os.path.exists(slot.path):
         os.remove(slot.path)
     self.replicas.drop()
-    self.clear_recovery()
+    held_copies.clear_recovery(self.layout)
