@@ -12,8 +12,8 @@ Parts (--parts, all by default), each measured side by side in one run:
               step and the restore call alone, from the local tier (/dev/shm)
               and from the persistent tier (the VM disk), the latter with the
               page cache dropped first (cold) and not (warm). Each local
-              restore call is split into its phases (tfdp.checkpoint.
-              restore_phases), each beside its floor measured in the same
+              restore call is split into its phases (the local
+              tier's PhaseTimes), each beside its floor measured in the same
               process over the same slot (map, CRC32C, memcpy, read).
   peer        2 workers (tfdp-launch, MultiWorkerMirroredStrategy): restore with
               both local copies, with worker 1's deleted (peer recovery: worker 0
@@ -248,7 +248,6 @@ def _restore_child():
   """
   stamps = {"start": float(os.environ["BENCH_T0"])}
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfdp.checkpoint.local import phases as restore_phases  # pylint: disable=g-import-not-at-top
   strategy = _strategy()
   variables, step = _state(strategy, FLAGS.mb)
   mgr = _manager(variables, step, strategy, FLAGS.work, local=FLAGS.variant != "persistent")
@@ -268,10 +267,12 @@ def _restore_child():
     print("ready", flush=True)
     sys.stdin.readline()
   stamps["go"] = time.time()
-  restore_phases.take()
+  phases = mgr._local.phases if mgr._local is not None else None  # pylint: disable=protected-access
+  if phases is not None:
+    phases.take()
   prefix = mgr.restore_or_initialize()
   stamps["restored"] = time.time()
-  stamps["phases"] = restore_phases.take()
+  stamps["phases"] = phases.take() if phases is not None else {}
   if mgr.restored_tier in ("local", "peer"):
     stamps["floors"] = _floors(prefix)
   train_step()

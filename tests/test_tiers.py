@@ -17,6 +17,7 @@ from tfdp import errors
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.local import tier as local_lib
+from tfdp.checkpoint.format import commit as commit_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.format import verify as verify_lib
 from tfdp.checkpoint.local import copies
@@ -377,13 +378,13 @@ def test_the_step_counter_is_the_manifests_step_without_an_interval(tmp_path):
 def test_both_tiers_commit_through_one_path_with_one_typed_manifest(run, monkeypatch):
   """Finding 7: two commit paths and two manifest writers (and dead fields of SaveJob)."""
   committed = []
-  real = storage.commit
+  real = commit_lib.commit
 
-  def commit(prefix, man, worker, fence=None):
+  def commit(prefix, man, fence=None):
     committed.append((os.path.relpath(prefix, run.root), type(man)))
-    return real(prefix, man, worker, fence)
+    return real(prefix, man, fence)
 
-  monkeypatch.setattr(storage, "commit", commit)
+  monkeypatch.setattr(commit_lib, "commit", commit)
   run.train(5)  # Persistent at step 1, local at 5.
   assert committed == [("model/ckpt-1", manifest_lib.Manifest),
                        ("local/worker-0/ckpt-5", manifest_lib.Manifest)]

@@ -6,9 +6,9 @@ import tempfile
 from absl import logging
 
 from tfdp import errors
-from tfdp.resume import position as resume_lib
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.format import units
 
 # A data position smaller than this per worker costs a save too little to
 # warn about, however much of the (small) backup it is.
@@ -84,9 +84,9 @@ class Watch:
         "prefetched batches). To make it smaller, shuffle file names or indices before "
         "decoding (shuffle before map), use a smaller shuffle buffer, or tf.data's global "
         "shuffle where the source has random access; docs/data.md#state-size measures each.",
-        f"{sum(per_worker) / man.total_bytes:.0%}", resume_lib.human_bytes(man.total_bytes),
-        resume_lib.human_bytes(max(per_worker)),
-        resume_lib.human_bytes(man.total_bytes - sum(per_worker)))
+        f"{sum(per_worker) / man.total_bytes:.0%}", units.human_bytes(man.total_bytes),
+        units.human_bytes(max(per_worker)),
+        units.human_bytes(man.total_bytes - sum(per_worker)))
 
 
 def why_no_hooks() -> str | None:

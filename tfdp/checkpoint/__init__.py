@@ -3,8 +3,9 @@
 Owns: the face, tf.train.CheckpointManager's API (manager.py); the two tiers
 it holds and the one place a save's snapshot goes to those due (tiers.py);
 when a save is due, the one Cadence concept (policy.py); the background
-writer thread (async_writer.py); the agreed cross-tier restore (restore.py,
-recovery.py). Below them: the format (format/), the persistent tier
+writer thread (async_writer.py); reading one checkpoint verified (restore.py);
+the agreed restore (restorer.py) across the tiers (recovery.py); a checkpoint
+checked against the model before any assignment (model_match.py). Below them: the format (format/), the persistent tier
 (persistent/) and the local tier (local/, set up by its LocalOptions).
 May import: tfdp.distribute, tfdp.errors.
 

@@ -128,7 +128,7 @@ def restore_newest(checkpoint, tier: local_lib.LocalTier | None, me: cluster.Wor
   if tier is not None:
     tier.wait()
     tiered = TieredRestore(checkpoint, tier, me, restorer.restore_per_worker,
-                           restorer.before_apply, restorer.check_model)
+                           restorer.before_apply, restorer.check_model, phases=tier.phases)
     found = tiered.run(restorer.newest_step(), before_restore)
     tried = tiered.tried
   found = found or restorer.newest_intact(before_restore, tried)

@@ -14,6 +14,7 @@ from tfdp import errors
 from tfdp.resume import callback_state
 from tfdp.resume import data_position
 from tfdp.resume import fit_hooks
+from tfdp.checkpoint.format import units
 from tfdp.resume import trackables as run_state
 
 # Name of the completed-epoch counter a backup holds (Keras's callback keeps
@@ -232,15 +233,6 @@ def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool
   size = len(position["state"]) if position["kind"] == b"iterator" else 0
   steps = run.epoch_iterator.num_batches if run.epoch_iterator is not None else None
   return resume.step_in_epoch, "data position restored" + (
-      f", {human_bytes(size)} per worker" if size else "") + (
+      f", {units.human_bytes(size)} per worker" if size else "") + (
           "; the epoch's steps are done, its end runs again"
           if steps and resume.step_in_epoch >= steps else "")
-
-
-def human_bytes(n: float) -> str:
-  """Bytes in decimal units, as `tfdp-ckpt` prints them: 812 B, 27.3 MB."""
-  for unit in ("B", "KB", "MB", "GB"):
-    if n < 1000 or unit == "GB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1000.0
-  return f"{n:.1f} TB"

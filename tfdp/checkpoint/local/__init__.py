@@ -1,8 +1,10 @@
 """The local tier: each worker's whole copies in host memory (raw slot files), replicated to a peer.
 
 Owns:
-- tier.py: the tier (a writer thread, slot choice, replication, receive and adopt, recovery markers);
-- face.py: its face on the manager; cadence.py: how often it saves;
+- tier.py: the tier (saves, slot choice, replication, receive and adopt, garbage collection);
+- options.py: LocalOptions, its settings as one value, and the tier built from them;
+- save_queue.py: its writer queue (one save at a time, the newest waiting);
+- held_copies.py: what its directory holds at start, why a copy cannot be used, the recovery markers;
 - slots.py: a slot file written (its tensors copied and checksummed in one pass);
 - slot_choice.py: which slot a save or a received copy fills;
 - bundle.py: a TF index over a slot, so TensorFlow's own reader reads a copy;
@@ -16,5 +18,8 @@ Owns:
 - replicas.py: the per-worker states a worker keeps of its neighbour;
 - phases.py: PhaseTimes, the seconds a restore spends in each phase.
 The slot-file format itself (its reader and checks) is tfdp.checkpoint.format.slot_file.
-May import: tfdp.checkpoint.format, tfdp.checkpoint.persistent, tfdp.distribute, tfdp.errors.
+How often it saves is tfdp.checkpoint.policy's LocalCadence; its writer thread is
+tfdp.checkpoint.async_writer's (two leaves of the parent, which import nothing of it).
+May import: tfdp.checkpoint.format, tfdp.checkpoint.persistent, tfdp.checkpoint.policy,
+tfdp.checkpoint.async_writer, tfdp.distribute, tfdp.errors.
 """

@@ -40,7 +40,7 @@ def _sources(items):
   return [slots.source(it.key, items_lib.writable(it.value)) for it in items]
 
 
-def write(slot: slots.Slot, prefix: str, items, base: manifest_lib.Manifest, worker: int,
+def write(slot: slots.Slot, prefix: str, items, base: manifest_lib.Manifest,
           sequence: int) -> manifest_lib.Manifest:
   """Fills `slot` with `items` and commits it as copy `prefix`: the record last.
 
@@ -54,7 +54,6 @@ def write(slot: slots.Slot, prefix: str, items, base: manifest_lib.Manifest, wor
       their bytes are in the slot, so the aliases of the variables go (the
       next update then copies nothing).
     base: the manifest's fields known before the write (what, whose).
-    worker: the writer's index in the job (named to the commit).
     sequence: this worker's count of copies (the newest record of a slot wins).
 
   Returns:
@@ -62,10 +61,10 @@ def write(slot: slots.Slot, prefix: str, items, base: manifest_lib.Manifest, wor
   """
   entries, used = slot.fill(_sources(items))
   items.clear()
-  return _commit(slot, prefix, base, entries, used, worker, sequence)
+  return _commit(slot, prefix, base, entries, used, sequence)
 
 
-def _commit(slot, prefix, base, entries, used, worker, sequence):
+def _commit(slot, prefix, base, entries, used, sequence):
   record = manifest_lib.FileRecord(os.path.basename(slot.path), used, entries=entries)
   man = dataclasses.replace(base, prefix=os.path.basename(prefix), time=time.time(),
                             files=[record], num_shards=1, total_bytes=used,
@@ -227,26 +226,12 @@ def adopt(slot: slots.Slot, prefix: str, offered: Incoming, own, base: manifest_
   man = dataclasses.replace(offered.manifest, session=base.session, world_size=base.world_size,
                             writers={str(worker): {"files": 1}},
                             per_worker_required=bool(own) or holds_own)
-  return _commit(slot, prefix, man, entries, used, worker, sequence)
+  return _commit(slot, prefix, man, entries, used, sequence)
 
 
 def committed(layout: layout_lib.Layout) -> list[int]:
   """The steps of the copies in `layout`'s folder with a manifest."""
   return [layout_lib.number_of(p) for p in directory.committed(layout)]
-
-
-def delete(layout: layout_lib.Layout, prefix: str) -> None:
-  """Deletes copy `prefix`: its record first (its slot is then free), then a TF index made of it."""
-  for path in [layout_lib.manifest_path(prefix)] + directory.files_of(layout, prefix):
-    try:
-      os.remove(path)
-    except OSError:
-      pass
-
-
-def cleanup(layout: layout_lib.Layout, session: str) -> None:
-  """Removes what torn writes left: records' temp files and TF indexes no record commits (never a slot)."""
-  commit_lib.cleanup(layout, session, private=True)
 
 
 def per_worker_reader(tensors: dict):

@@ -7,6 +7,7 @@ import time
 from tfdp import errors
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import manifest as manifest_lib
+from tfdp.checkpoint.format import commit as commit_lib
 from tfdp.checkpoint.local import copies
 
 
@@ -32,14 +33,14 @@ def scan(layout) -> tuple[dict, int]:
     man = manifest_lib.read_manifest(layout.prefix(step))
     k = None if man is None else copies.slot_index(layout, man)
     if k is None:
-      copies.delete(layout, layout.prefix(step))  # Torn, or not a slot copy.
+      commit_lib.delete(layout, layout.prefix(step))  # Torn, or not a slot copy.
       continue
     found.setdefault(k, []).append((man.sequence, step, man))
   kept, sequence = {}, 0
   for records in found.values():
     records.sort(key=lambda r: r[:2])
     for _, step, _ in records[:-1]:  # The slot was filled again after them.
-      copies.delete(layout, layout.prefix(step))
+      commit_lib.delete(layout, layout.prefix(step))
     sequence = max(sequence, records[-1][0])
     kept[records[-1][1]] = records[-1][2]
   return kept, sequence

@@ -9,10 +9,12 @@ from absl import logging
 
 from tfdp.distribute import cluster
 from tfdp.checkpoint import policy
+from tfdp.checkpoint.format import commit as commit_lib
 from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.local import generations
 from tfdp.checkpoint.local import held_copies
+from tfdp.checkpoint.local import phases as phases_lib
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
@@ -35,9 +37,8 @@ class LocalTier:
   still being written waits for it (the newest one only), so training never
   waits for this tier. A save fills a slot tfdp.checkpoint.local.slot_choice
   names: never the newest copy's, never the newest step complete on every
-  worker (`generations.Generations`: copies and per-worker states); the
-  writer waits for one to be free. The per-worker states a worker keeps of
-  its neighbour are files of their own (tfdp.checkpoint.local.replicas).
+  worker (`generations.Generations`), waiting for one to be free. A
+  neighbour's per-worker states are files (tfdp.checkpoint.local.replicas).
 
   Args:
     layout: this worker's local layout (`Layout.local(root, worker)`).
@@ -71,6 +72,7 @@ class LocalTier:
     self._queue = save_queue.SaveQueue(self._write)
     self._keep = None  # The step a restore falls back to if a transfer fails (`receiving`).
     self.link = None  # The side channel to the other workers (tfdp.checkpoint.local.peers).
+    self.phases = phases_lib.PhaseTimes()  # Seconds of its restores' phases (scripts/bench_tiers.py).
 
   def connect(self) -> None:
     """Opens the side channel (every worker at the same point: two small agreements).
@@ -103,7 +105,7 @@ class LocalTier:
     """Makes the directory and removes what torn saves and cut-short transfers left."""
     self.token, self._session = token, session
     fs.make_private_dir(self.layout.directory)
-    copies.cleanup(self.layout, session)
+    commit_lib.cleanup(self.layout, session, private=True)
     self.replicas.cleanup()
     kept, sequence = held_copies.scan(self.layout)
     with self._lock:
@@ -168,7 +170,7 @@ class LocalTier:
     root = layout_lib.per_worker_prefix(self.worker)
     own = [it for it in items if it.key.startswith(root)]
     sequence = self._next_sequence()
-    man = copies.write(self.slots[k], prefix, items, self._base(meta), self.worker, sequence)
+    man = copies.write(self.slots[k], prefix, items, self._base(meta), sequence)
     with self._lock:
       self._copies[step] = man
     if self.link is not None:
@@ -317,7 +319,7 @@ class LocalTier:
     """Deletes local copy `prefix`: its manifest first, so a crash leaves no committed half."""
     with self._lock:
       self._copies.pop(layout_lib.number_of(prefix), None)
-      copies.delete(self.layout, prefix)
+      commit_lib.delete(self.layout, prefix)
 
   def prune(self) -> None:
     """Lets go of the copies and kept states that `generations` no longer needs."""
