@@ -11,7 +11,7 @@ from tfdp.callbacks import backup_watch
 from tfdp import callbacks
 from tfdp import cluster
 from tfdp import errors
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 
 
 def test_a_backup_dir_it_cannot_write_is_one_config_error_when_the_callback_is_built(tmp_path):

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tests import shared
 from tests import tensorboard_events
 from tests.conftest import REPO, WORKERS, run_all

@@ -3,7 +3,7 @@
 import pytest
 
 from tfdp import errors
-from tfdp.checkpoint import policy as p
+from tfdp.checkpoint.schedule import policy as p
 from tfdp.checkpoint.persistent import retention as r
 
 

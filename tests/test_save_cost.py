@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.python.ops import gen_dataset_ops
 
 from tfdp import callbacks
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 
 X = np.random.RandomState(0).normal(size=(256, 8)).astype("float32")
 Y = X.sum(axis=1, keepdims=True)

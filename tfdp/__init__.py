@@ -56,7 +56,8 @@ _WITHOUT_COMPAT = ("tfdp.launch", "tfdp.errors", "tfdp.compat", "tfdp.goodput",
 # Packages whose own (lazy) __init__ does not apply it; their other
 # submodules do.
 _WITHOUT_COMPAT_EXACT = ("tfdp.checkpoint", "tfdp.cli", "tfdp.checkpoint.format",
-                         "tfdp.checkpoint.persistent", "tfdp.checkpoint.local", "tfdp.distribute",
+                         "tfdp.checkpoint.persistent", "tfdp.checkpoint.local", "tfdp.checkpoint.schedule",
+                         "tfdp.distribute",
                          "tfdp.gradients", "tfdp.liveness", "tfdp.resume", "tfdp.app")
 
 if TYPE_CHECKING:

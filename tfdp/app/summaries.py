@@ -12,7 +12,7 @@ from tfdp import errors
 from tfdp.app.tensorboard import TensorBoard
 from tfdp.app.timings import CheckpointTimer
 from tfdp.app.timings import Timings
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tfdp.resume import train_state as state_lib
 
 # The public names of `tfdp.summaries`, wherever they are defined.

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tfdp import errors
 from tfdp.app.timings import Timings
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tfdp.resume import train_state as state_lib
 
 

@@ -25,7 +25,7 @@ from tfdp.distribute import strategy as strategy_lib
 from tfdp.app import summaries
 from tfdp.callbacks import fit as training
 from tfdp.checkpoint.format import layout as layout_lib
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tfdp.checkpoint.persistent import retention
 
 

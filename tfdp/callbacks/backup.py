@@ -15,7 +15,7 @@ from tfdp.liveness import preemption
 from tfdp.resume import position as resume_lib
 from tfdp.resume import train_state as state_lib
 from tfdp.checkpoint.local import options as local_options_lib
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tfdp.checkpoint.persistent import retention
 from tfdp.checkpoint.manager import CheckpointManager
 

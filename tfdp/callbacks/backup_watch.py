@@ -35,7 +35,7 @@ def check_writable(path: str) -> None:
 
 
 class Watch:
-  """What the chief says of the backups as training goes: the interval "auto" chose (tfdp.checkpoint.policy.LocalCadence measures it), and their size."""
+  """What the chief says of the backups as training goes: the interval "auto" chose (tfdp.checkpoint.schedule.policy.LocalCadence measures it), and their size."""
 
   def __init__(self):
     self.tuning = None  # The local tier's measurement said last.

@@ -7,7 +7,7 @@ import keras
 
 from tfdp.resume import train_state as state_lib
 from tfdp.callbacks.backup import BackupAndRestore
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tfdp.checkpoint.manager import CheckpointManager
 
 __all__ = ["BackupAndRestore", "CheckpointEvery", "Throughput"]

@@ -1,12 +1,13 @@
 """Sharded, atomic, verified, optionally asynchronous checkpoints across workers.
 
-Owns: the face, tf.train.CheckpointManager's API (manager.py); the two tiers
-it holds and the one place a save's snapshot goes to those due (tiers.py);
-when a save is due, the one Cadence concept (policy.py); the background
-writer thread (async_writer.py); reading one checkpoint verified (restore.py);
-the agreed restore (restorer.py) across the tiers (recovery.py); a checkpoint
-checked against the model before any assignment (model_match.py). Below them: the format (format/), the persistent tier
-(persistent/) and the local tier (local/, set up by its LocalOptions).
+Owns:
+- manager.py: the face, tf.train.CheckpointManager's API;
+- tiers.py: the two tiers it holds, and the one place a save's snapshot goes to those due;
+- restore.py: reading one checkpoint, verified; restorer.py: the agreed restore of a directory;
+- recovery.py: the agreed restore across the tiers (local, peer, persistent);
+- model_match.py: a checkpoint checked against the model before any assignment.
+Below them: when a save runs and on which thread (schedule/), the format (format/),
+the persistent tier (persistent/) and the local tier (local/, built from its LocalOptions).
 May import: tfdp.distribute, tfdp.errors.
 
 Lazy, as the `tfdp` package: `tfdp.checkpoint.format.layout` (every file name, no

@@ -225,7 +225,7 @@ class CheckpointManager:
   local_tuning = _local_property(
       lambda t: t.cadence.tuning,
       "With 'auto': the measurement behind the interval now "
-      "(tfdp.checkpoint.policy.Tuning), or None before the first.")
+      "(tfdp.checkpoint.schedule.policy.Tuning), or None before the first.")
   local_directory = _local_property(lambda t: t.layout.directory,
                                     "This worker's local-tier directory.")
   local_saves_skipped = _local_property(

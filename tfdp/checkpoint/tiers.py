@@ -8,8 +8,8 @@ from typing import Callable
 from absl import logging
 
 from tfdp import errors
-from tfdp.checkpoint import async_writer
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import async_writer
+from tfdp.checkpoint.schedule import policy
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib

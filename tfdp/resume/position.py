@@ -1,7 +1,7 @@
 """Where a resumed Keras run continues: what a backup records of its position, read back once into a `Resume`.
 
 The data position itself is tfdp.resume.data_position's; the save cadence
-is tfdp.checkpoint.policy's.
+is tfdp.checkpoint.schedule.policy's.
 """
 
 import dataclasses

@@ -18,8 +18,7 @@ Owns:
 - replicas.py: the per-worker states a worker keeps of its neighbour;
 - phases.py: PhaseTimes, the seconds a restore spends in each phase.
 The slot-file format itself (its reader and checks) is tfdp.checkpoint.format.slot_file.
-How often it saves is tfdp.checkpoint.policy's LocalCadence; its writer thread is
-tfdp.checkpoint.async_writer's (two leaves of the parent, which import nothing of it).
-May import: tfdp.checkpoint.format, tfdp.checkpoint.persistent, tfdp.checkpoint.policy,
-tfdp.checkpoint.async_writer, tfdp.distribute, tfdp.errors.
+How often it saves (LocalCadence) and its writer thread are tfdp.checkpoint.schedule's.
+May import: tfdp.checkpoint.format, tfdp.checkpoint.persistent, tfdp.checkpoint.schedule,
+tfdp.distribute, tfdp.errors.
 """

@@ -3,7 +3,7 @@
 import dataclasses
 
 from tfdp import errors
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.local import tier as tier_lib
 

@@ -4,7 +4,7 @@ import threading
 
 from absl import logging
 
-from tfdp.checkpoint import async_writer
+from tfdp.checkpoint.schedule import async_writer
 
 
 class SaveQueue:

@@ -8,7 +8,7 @@ import time
 from absl import logging
 
 from tfdp.distribute import cluster
-from tfdp.checkpoint import policy
+from tfdp.checkpoint.schedule import policy
 from tfdp.checkpoint.format import commit as commit_lib
 from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.format import fs
