@@ -1,4 +1,4 @@
-"""Keras callbacks: periodic sharded checkpoints, exact backup and restore, throughput logging."""
+"""CheckpointEvery and Throughput: a save through a tfdp.CheckpointManager every N global steps, and steps per second logged."""
 
 import time
 

@@ -19,6 +19,5 @@ Owns:
 - phases.py: PhaseTimes, the seconds a restore spends in each phase.
 The slot-file format itself (its reader and checks) is tfdp.checkpoint.format.slot_file.
 How often it saves (LocalCadence) and its writer thread are tfdp.checkpoint.schedule's.
-May import: tfdp.checkpoint.format, tfdp.checkpoint.persistent, tfdp.checkpoint.schedule,
-tfdp.distribute, tfdp.errors.
+May import: tfdp.checkpoint.format, tfdp.checkpoint.schedule, tfdp.distribute, tfdp.errors.
 """
