@@ -76,24 +76,39 @@ def fsync_dir(path: str) -> None:
     os.close(fd)
 
 
-def write_atomic(path: str, text: str) -> None:
-  """Writes `text` to `path` so readers see all of it or nothing (temp, fsync, rename)."""
-  tmp = layout.atomic_tmp_path(path)
+def write_atomic(path: str, text, tmp: str | None = None, durable: bool = True) -> None:
+  """Writes `text` to `path` so readers see all of it or nothing (temp, fsync, rename).
+
+  Args:
+    path: the file.
+    text: a str, bytes, or a list of buffers written in turn.
+    tmp: the temporary name (default: `layout.atomic_tmp_path(path)`; a
+      torn write's leftover a cleanup knows).
+    durable: fsync the file and its folder (False: a file in host memory,
+      the local tier's, whose rename alone makes it whole).
+  """
+  tmp = tmp or layout.atomic_tmp_path(path)
+  parts = [text.encode()] if isinstance(text, str) else [text] if isinstance(
+      text, (bytes, bytearray, memoryview)) else list(text)
   if is_local(path):  # The OS's calls: a local save's record at every step costs little.
     fd = private.open_tmp(_local(tmp))  # 0600, O_EXCL, O_NOFOLLOW: nothing planted is written.
     try:
-      data = memoryview(text.encode())
-      while data:
-        data = data[os.write(fd, data):]
-      os.fsync(fd)
+      for part in parts:
+        data = memoryview(part).cast("B")
+        while data:
+          data = data[os.write(fd, data):]
+      if durable:
+        os.fsync(fd)
     finally:
       os.close(fd)
     os.replace(_local(tmp), _local(path))
   else:
-    with _gfile().GFile(tmp, "w") as f:
-      f.write(text)
+    with _gfile().GFile(tmp, "wb") as f:
+      for part in parts:
+        f.write(bytes(part))
     _gfile().rename(tmp, path, overwrite=True)
-  fsync_dir(os.path.dirname(path))
+  if durable:
+    fsync_dir(os.path.dirname(path))
 
 
 def write_json_atomic(path: str, obj) -> None:

@@ -21,8 +21,8 @@ from tensorflow.core.framework import tensor_shape_pb2
 from tensorflow.core.framework import versions_pb2
 from tensorflow.core.protobuf import tensor_bundle_pb2
 
+from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import layout as layout_lib
-from tfdp.checkpoint.format import private
 from tfdp.checkpoint.format import slot_file
 
 _MAGIC = 0xDB4775248B80FB57
@@ -76,9 +76,7 @@ def write(prefix: str, slot_path: str, entries) -> None:
   index, data = layout_lib.index_path(prefix), layout_lib.data_filename(prefix, 0, 1)
   # Temp names a private folder's cleanup removes (TF's own temp infix).
   tmp = f"{index}{layout_lib.TF_TMP_INFIX}{os.getpid()}"
-  with os.fdopen(private.open_tmp(tmp), "wb") as f:
-    f.write(index_bytes(entries))
-  os.replace(tmp, index)
+  fs.write_atomic(index, index_bytes(entries), tmp=tmp, durable=False)
   link = f"{data}{layout_lib.TF_TMP_INFIX}{os.getpid()}"
   if os.path.lexists(link):
     os.remove(link)

@@ -6,6 +6,7 @@ import threading
 
 from absl import logging
 
+from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import private
 from tfdp.checkpoint.local import wire
@@ -36,19 +37,14 @@ class Replicas:
   def put(self, source: int, step: int, header: dict, blobs) -> None:
     """Keeps `source`'s per-worker state at `step` (the fields of a checked PER_WORKER header)."""
     path = self._path(source, step)
-    tmp = layout_lib.atomic_tmp_path(path)
     record = {k: header[k] for k in ("keys", "token", "world_size")}
     with self._lock:
       try:
         os.mkdir(os.path.dirname(path), private.dir_mode())
       except FileExistsError:
         pass
-      fd = private.open_tmp(tmp)  # 0600, O_EXCL, O_NOFOLLOW.
-      try:
-        os.writev(fd, wire.frame(dict(record, step=step, source=source), blobs))
-      finally:
-        os.close(fd)
-      os.replace(tmp, path)
+      fs.write_atomic(path, wire.frame(dict(record, step=step, source=source), blobs),
+                      durable=False)  # 0600, O_EXCL, O_NOFOLLOW; in host memory: no fsync.
 
   def steps(self, source: int) -> list[int]:
     """The steps of `source`'s per-worker state held here, oldest first."""
