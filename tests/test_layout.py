@@ -86,6 +86,35 @@ def test_the_state_file_reads_as_tf_reads_it(tmp_path):
   assert ours.timestamps == list(tf_state.all_model_checkpoint_timestamps)
   assert ours.last_preserved == tf_state.last_preserved_timestamp
   assert directory.read_state(str(tmp_path / "none")) is None
+  # A name protobuf writes as raw UTF-8, as octal escapes, or with a quote (review of the house).
+  for name in ("modèle-5", 'a"b-5'):
+    checkpoint_management.update_checkpoint_state_internal(
+        save_dir=str(tmp_path), model_checkpoint_path=str(tmp_path / name),
+        all_model_checkpoint_paths=[str(tmp_path / name)], save_relative_paths=True)
+    assert directory.read_state(str(tmp_path)).latest == name
+    assert tf.train.get_checkpoint_state(str(tmp_path)).model_checkpoint_path == str(tmp_path / name)
+  (tmp_path / "checkpoint").write_text('model_checkpoint_path: "mod\\303\\250le-5"\n')
+  assert directory.read_state(str(tmp_path)).latest == "modèle-5"
   (tmp_path / "checkpoint").write_text("garbage without a colon\n")
   with pytest.raises(ValueError):
     directory.read_state(str(tmp_path))
+
+
+def test_a_delete_that_fails_leaves_the_checkpoint_committed_and_raises_nothing(tmp_path):
+  """commit.delete (retention, a save replacing a number) warns where the file system refuses.
+
+  Its except clause named a function fs does not have: any refusal became a
+  TypeError that failed the save (review of the house). A directory where
+  the manifest should be is a real refusal (unlink: EISDIR), even as root.
+  """
+  from tfdp.checkpoint.format import commit  # pylint: disable=g-import-not-at-top
+  layout = Layout(str(tmp_path), "ckpt")
+  prefix = str(tmp_path / "ckpt-3")
+  os.mkdir(layout_lib.manifest_path(prefix))
+  open(layout_lib.index_path(prefix), "w").close()
+  commit.delete(layout, prefix)
+  assert os.path.exists(layout_lib.index_path(prefix))  # Still committed: its files stay.
+  os.rmdir(layout_lib.manifest_path(prefix))
+  open(layout_lib.manifest_path(prefix), "w").close()
+  commit.delete(layout, prefix)
+  assert not os.listdir(tmp_path)

@@ -18,6 +18,8 @@ def test_the_callbacks_arguments_are_one_local_options_value(tmp_path):
   assert backup.local_options == LocalOptions("auto", 0.05, local)
   assert (backup.local_checkpoint_every_steps, backup.checkpoint_overhead,
           backup.local_checkpoint_dir) == ("auto", 0.05, local)
+  backup.local_checkpoint_every_steps = 7  # Settable before fit, as the attributes were.
+  assert backup.local_options == LocalOptions(7, 0.05, local)
   assert not LocalOptions().wanted and LocalOptions(directory=local).wanted
   assert LocalOptions(every_steps="3").checked().every_steps == 3
   with pytest.raises(ValueError, match="positive number of steps or 'auto'"):

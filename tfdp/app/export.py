@@ -173,7 +173,7 @@ def model_from_run_config(run_config: dict) -> keras.Model:
         "model cannot be rebuilt (checkpoints of this tfdp hold the model's Keras config "
         "unless Keras could not serialize it, and tfdp-train's also its name and builder "
         "arguments); export --format=safetensors instead, or build the model yourself "
-        "and call tfdp.app.export.save_keras")
+        "and call tfdp.export.save_keras")
   try:
     spec = models.get(name)
   except KeyError as e:
@@ -248,7 +248,7 @@ def model_from_config(config: dict) -> keras.Model:
         f"Keras cannot rebuild the model from the config the checkpoint holds ({type(e).__name__}: "
         f"{' '.join(str(e).split())[:300]}); register its classes with "
         "keras.saving.register_keras_serializable, or build the model yourself and call "
-        "tfdp.app.export.save_keras") from None
+        "tfdp.export.save_keras") from None
 
 
 def keras_from_checkpoint(checkpoint: str, path: str) -> str:

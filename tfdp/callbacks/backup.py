@@ -172,9 +172,9 @@ class BackupAndRestore(keras.callbacks.Callback):
               preemption_grace_seconds))
     self._watch = backup_watch.Watch()
 
-  local_checkpoint_dir = property(lambda self: self.local_options.directory)
-  local_checkpoint_every_steps = property(lambda self: self.local_options.every_steps)
-  checkpoint_overhead = property(lambda self: self.local_options.overhead)
+  local_checkpoint_dir = local_options_lib.field_property("directory")
+  local_checkpoint_every_steps = local_options_lib.field_property("every_steps")
+  checkpoint_overhead = local_options_lib.field_property("overhead")
 
   @property
   def restored_step(self) -> int | None:
@@ -223,7 +223,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         once it knows what became of the data position).
 
     Returns:
-      The `tfdp.resume.Resume` (its `prefix` is None when nothing was
+      The `tfdp.resume.position.Resume` (its `prefix` is None when nothing was
       restored), also kept as `self.resumed`.
     """
     model = model or self.model

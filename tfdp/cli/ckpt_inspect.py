@@ -9,12 +9,12 @@ from tfdp.checkpoint.format import units
 from tfdp.cli import ckpt_list
 
 _VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
-# Keys as tfdp.resume.train_state and tfdp.resume name them (importing those loads Keras).
+# Keys as tfdp.resume.train_state and tfdp.resume.position name them (importing those loads Keras).
 _RUN_CONFIG_KEY = "run_config/.ATTRIBUTES/py_state"
 _STEP_KEY = "optimizer/iteration" + _VALUE_SUFFIX
 _EPOCH_KEY, _STEP_IN_EPOCH_KEY = "keras_epoch" + _VALUE_SUFFIX, "keras_step_in_epoch" + _VALUE_SUFFIX
 _TOPOLOGY_KEY = "data_topology" + _VALUE_SUFFIX
-_DATA_PART = "data"  # tfdp.resume.DATA_KEY: the data position among the per-worker state.
+_DATA_PART = "data"  # tfdp.resume.position.DATA_KEY: the data position among the per-worker state.
 # Top-level names of what tfdp and Keras's BackupAndRestore keep next to the
 # user's objects (see tfdp.resume and tfdp.resume.train_state); `inspect` lists them last.
 _INTERNAL = ("_CHECKPOINTABLE_OBJECT_GRAPH", layout_lib.PER_WORKER_ROOT, "save_counter",

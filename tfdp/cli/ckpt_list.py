@@ -2,6 +2,7 @@
 
 import os
 
+from tfdp import errors
 from tfdp.checkpoint.format import directory as directory_lib
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import layout as layout_lib
@@ -32,7 +33,10 @@ def _checkpoints(directory):
 def _ls_row(directory, base, kinds, state, checksums):
   """(checkpoint, step, size, shards, world, status) of checkpoint `base`."""
   prefix = os.path.join(directory, base)
-  man = manifest_lib.read_manifest(prefix)
+  try:
+    man = manifest_lib.read_manifest(prefix)
+  except errors.CheckpointError as e:  # A newer tfdp's, or one that does not parse: a row.
+    return (base, "-", "-", "-", "-", f"unreadable manifest: {e}")
   latest = " (latest)" if base == state[0] else ""
   if man is None:  # TF's own checkpoint, a torn save, or one set aside
     data = kinds.get("data", [])

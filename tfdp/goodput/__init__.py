@@ -14,8 +14,8 @@ import time
 from typing import Optional
 
 from tfdp.goodput import ledger as ledger_lib
-from tfdp.checkpoint.format import fs
-from tfdp.checkpoint.format.fs import read_json, write_json_atomic  # The one JSON reader and atomic writer.
+# The one JSON reader and atomic writer (tfdp.checkpoint.format.fs), as accounting uses them.
+from tfdp.goodput.ledger import read_json, write_json_atomic
 from tfdp.goodput.ledger import merge, progress_steps
 from tfdp.goodput.summary import (SCALARS, SCALARS_DIR, SUMMARY_FILE, VERSION, high_water,
                                   reached, summarize, summary_line, write_scalars,
@@ -180,7 +180,7 @@ class Recorder:
   def _write_ledger(self):
     if self._record_file:
       try:
-        fs.write_json_atomic(self._record_file, self.record)  # The ledger's record.
+        ledger_lib.write_json_atomic(self._record_file, self.record)  # The ledger's record.
       except OSError:
         pass
 

@@ -11,8 +11,21 @@ import zlib
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from tfdp.checkpoint.format import layout
-from tfdp.checkpoint.format.fs import read_json
+from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import private
+
+
+def read_json(path: Optional[str]) -> Any:
+  """fs.read_json, with a file that cannot be read taken as none: accounting never stops a run."""
+  try:
+    return fs.read_json(path)
+  except OSError:
+    return None
+
+
+def write_json_atomic(path: str, obj) -> None:
+  """fs.write_json_atomic without fsync: the records are rewritten every 0.5 s, often on NFS."""
+  fs.write_json_atomic(path, obj, durable=False)
 
 # A progress file is 64 bytes that its worker maps into memory. A step is two
 # stores into that mapping (the step and its time): no system call, and the

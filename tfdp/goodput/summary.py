@@ -6,7 +6,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence
 
 from tfdp.checkpoint.format import layout
-from tfdp.checkpoint.format.fs import write_json_atomic
+from tfdp.goodput.ledger import write_json_atomic
 
 # Name of the summary in the model directory, and the TensorBoard run of its scalars.
 SUMMARY_FILE = layout.GOODPUT_FILENAME

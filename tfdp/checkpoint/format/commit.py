@@ -39,14 +39,20 @@ def commit(prefix: str, man: manifest_lib.Manifest,
 
 def delete(layout: layout_lib.Layout, prefix: str) -> None:
   """Deletes checkpoint `prefix`: its manifest first, so a crash leaves no committed half."""
+  path = layout_lib.manifest_path(prefix)
   try:
-    path = layout_lib.manifest_path(prefix)
     if fs.exists(path):
       fs.remove(path)
-    for path in directory.files_of(layout, prefix):
-      fs.remove(path)
-  except fs.errors() as e:
+  except fs.failures() as e:  # Still committed: its files stay too.
     logging.warning("tfdp: could not delete old checkpoint %s: %s", prefix, e)
+    return
+  for path in directory.files_of(layout, prefix):
+    try:
+      fs.remove(path)
+    except FileNotFoundError:
+      pass  # Gone already (a cleanup, or another worker's delete).
+    except fs.failures() as e:  # Uncommitted: a later cleanup removes what stays.
+      logging.warning("tfdp: could not delete %s of old checkpoint %s: %s", path, prefix, e)
 
 
 def set_aside(prefix: str, error: str) -> None:

@@ -1,5 +1,6 @@
 """What a checkpoint directory holds: its files by checkpoint and kind, and what TF's state file names (no TensorFlow for local paths)."""
 
+import codecs
 import dataclasses
 import os
 import re
@@ -67,7 +68,8 @@ def read_state(directory: str) -> StateFile | None:
     m = _STATE_LINE.match(line)
     if m is None:
       raise ValueError(f"not a checkpoint state line: {line[:80]!r}")
-    value = (m.group(2).encode().decode("unicode_escape") if m.group(2) is not None
+    # Protobuf's text format: raw UTF-8 or C escapes (octal bytes, \"), bytes first.
+    value = (codecs.escape_decode(m.group(2).encode())[0].decode("utf-8") if m.group(2) is not None
              else float(m.group(3)))
     fields.setdefault(m.group(1), []).append(value)
   latest = fields.get("model_checkpoint_path", [""])[-1]

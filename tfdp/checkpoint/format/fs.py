@@ -1,8 +1,8 @@
 """The file-system seam of checkpoints: fsync, atomic writes and renames, listing, deletion, JSON.
 
-No TensorFlow at import: local paths are read with the OS's calls (so
-`tfdp-ckpt ls` runs without TensorFlow); URLs, and the writes and deletions
-of every path, go through tf.io.gfile, imported on first use.
+No TensorFlow at import: local paths are read, written atomically and
+deleted with the OS's calls (so `tfdp-ckpt ls` runs without TensorFlow);
+URLs, renames and trees go through tf.io.gfile, imported on first use.
 """
 
 import json
@@ -111,9 +111,9 @@ def write_atomic(path: str, text, tmp: str | None = None, durable: bool = True) 
     fsync_dir(os.path.dirname(path))
 
 
-def write_json_atomic(path: str, obj) -> None:
-  """Writes `obj` as JSON to `path`, atomically (see write_atomic)."""
-  write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+def write_json_atomic(path: str, obj, durable: bool = True) -> None:
+  """Writes `obj` as JSON to `path`, atomically (see write_atomic; `durable=False`: no fsync)."""
+  write_atomic(path, json.dumps(obj, indent=1, sort_keys=True), durable=durable)
 
 
 def read_text(path: str) -> str | None:
@@ -194,7 +194,10 @@ def rename(src: str, dst: str) -> None:
 
 
 def remove(path: str) -> None:
-  _gfile().remove(path)
+  if is_local(path):  # The local tier prunes at every save: the OS's call.
+    os.remove(_local(path))
+  else:
+    _gfile().remove(path)
 
 
 def rmtree(path: str) -> None:

@@ -69,3 +69,10 @@ class LocalOptions:
           "strategy.scope() or pass strategy=.")
     return tier_lib.LocalTier(layout.local(options.directory, me.index), me, options.every_steps,
                               timeout, options.overhead)
+
+
+def field_property(name: str, doc: str = "") -> property:
+  """A property of an owner's `local_options.<name>`, settable as a plain attribute was (a new value)."""
+  return property(lambda self: getattr(self.local_options, name),
+                  lambda self, value: setattr(self, "local_options", dataclasses.replace(
+                      self.local_options, **{name: value})), doc=doc)
