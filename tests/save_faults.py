@@ -4,7 +4,9 @@ As PyTorch DCP's tests wrap a StorageWriter: `install(hook)` replaces the
 persistent writer's `_write_shards` and `_write_marker` and the format's
 `commit` (and with `local`, the local tier's `copies.write`) by wrappers
 that call `hook(phase, worker)` at each of PHASES around the real function.
-The production code has no hook for them.
+Every commit goes through the one commit point, so a local copy's
+during_commit and after_commit reach the hook even without `local`; `local`
+adds its earlier phases. The production code has no hook for them.
 """
 
 from collections.abc import Callable
