@@ -1,5 +1,6 @@
 """The README and docs/ stay true to the code: every tfdp-train flag is documented, the examples run, links resolve."""
 
+import copy
 import json
 import os
 import pathlib
@@ -190,6 +191,10 @@ RUNS = [
     # runs Ray Train (tests/workers/ray_fit.py, ray_keras.py's model).
     (HERE, "test_the_ray_extra_is_what_test_ray_runs_with", '"ray_fit.py"',
      ['pip install "tfdp[ray]"']),
+    # The quick start: scripts/demo.sh's set-up and its job, parsed as both
+    # tools parse it; tfdp-train under tfdp-launch runs in the chaos test.
+    (HERE, "test_demo_sets_up_and_runs_the_main_job", '"scripts", "demo.sh"',
+     ["bash scripts/demo.sh"]),
     # Tests: the suite itself (.ci/run), and its fast tier.
     (HERE, "test_quick_start_commands", '"setup.cfg"',
      ["bash scripts/test.sh", 'bash scripts/test.sh -m "not slow"']),
@@ -248,8 +253,10 @@ def test_readme_commands_are_found():
 
 
 def _install_lines():
-  block = re.search(r"^## Install\n.*?```bash\n(.*?)```", _readme(), re.S | re.M).group(1)
-  return [" ".join(re.split(r"\s+#\s", l)[0].split()) for l in block.splitlines()]
+  """The install section's lines, less the quick start's demo (test_demo_sets_up_and_runs_the_main_job)."""
+  block = re.search(r"^## Install and quick start\n.*?```bash\n(.*?)```", _readme(), re.S | re.M).group(1)
+  lines = [" ".join(re.split(r"\s+#\s", l)[0].split()) for l in block.splitlines()]
+  return [l for l in lines if l != "bash scripts/demo.sh"]
 
 
 def test_install_lines_leave_no_tfdp_folder_beside_python(tmp_path):
@@ -295,22 +302,46 @@ def test_install_lines_leave_no_tfdp_folder_beside_python(tmp_path):
   assert ran.returncode == 1 and b"AttributeError" in ran.stdout, ran.stdout
 
 
+def _launched_train(argv):
+  """tfdp-launch's arguments `argv` (`... -- tfdp-train ...`) as both tools parse them: (worker, N, options, its flags)."""
+  from tfdp.cli import train  # pylint: disable=g-import-not-at-top,unused-import  (defines the flags)
+  from tfdp.launch import cli  # pylint: disable=g-import-not-at-top
+  worker, num_workers, options = cli.parse(argv)
+  mine = copy.deepcopy(flags.FLAGS)  # the process's own flags stay unparsed
+  mine(worker)
+  return worker, num_workers, options, mine
+
+
 def test_tfdp_train_command_parses():
   """The README's tfdp-train command, parsed as tfdp-launch and tfdp-train parse it (not run: the chaos test runs one)."""
-  import copy  # pylint: disable=g-import-not-at-top
   import shlex  # pylint: disable=g-import-not-at-top
-  from tfdp.cli import train  # pylint: disable=g-import-not-at-top,unused-import
-  from tfdp.launch import cli  # pylint: disable=g-import-not-at-top
   command, = (c for c in RUN_BY if " -- tfdp-train " in c)
   argv = shlex.split(command)
   assert argv[0] == "tfdp-launch"
-  worker, num_workers, options = cli.parse(argv[1:])
+  worker, num_workers, options, mine = _launched_train(argv[1:])
   assert num_workers == 2 and options.max_restarts == 3 and worker[0] == "tfdp-train"
-  mine = copy.deepcopy(flags.FLAGS)  # the process's own flags stay unparsed
-  mine(worker)
   assert (mine.model, mine.train_steps, mine.async_checkpoint) == ("resnet20", 2000, True)
   with open(os.path.join(REPO, "tests", "test_fault_tolerance.py"), encoding="utf-8") as f:
     assert "max_restarts=5" in f.read()  # tfdp-train under tfdp-launch --max_restarts
+
+
+def test_demo_sets_up_and_runs_the_main_job():
+  """`bash scripts/demo.sh`: the venv set-up CI uses (scripts/_venv.sh), then its job: tfdp-train under tfdp-launch on 2 workers."""
+  path = os.path.join(REPO, "scripts", "demo.sh")
+  subprocess.run(["bash", "-n", path], check=True, timeout=30)
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  assert re.search(r"^source scripts/_venv\.sh\ntfdp_venv ", text, re.M)
+  assert '"${JOB[@]}" --train_steps=' in text
+  # The job's words, as bash makes them from the script's JOB array.
+  job = subprocess.run(
+      ["bash", "-c", 'eval "$(sed -n "/^JOB=(/,/)$/p" "$1")"; printf "%s\\n" "${JOB[@]}"', "_", path],
+      env=dict(os.environ, MODEL_DIR="runs/demo"), stdout=subprocess.PIPE, check=True, timeout=30,
+      text=True).stdout.splitlines()
+  assert job[0] == ".venv/bin/tfdp-launch"
+  worker, num_workers, _, mine = _launched_train(job[1:] + ["--train_steps=600"])
+  assert num_workers == 2 and worker[0] == ".venv/bin/tfdp-train"
+  assert (mine.model, mine.strategy, mine.model_dir) == ("cnn", "multi_worker", "runs/demo")
 
 
 @pytest.mark.slow
