@@ -58,13 +58,13 @@ def wrappers(hook: Hook, local: bool = False) -> list[tuple[object, str, Callabl
          (commit_lib, "commit", _commit)]
   if local:
     from tfdp.checkpoint.local import copies  # pylint: disable=g-import-not-at-top
-    write_copy = copies.write
+    from tests.workers import local_faults  # pylint: disable=g-import-not-at-top
+    write_copy = local_faults.before_each_copy(lambda worker: hook("before_shard", worker))
 
-    def _write_copy(slot, prefix, items, base, *args, **kwargs):
-      hook("before_shard", committer(base))
+    def _write_copy(*args, **kwargs):
       copying.on = True
       try:
-        return write_copy(slot, prefix, items, base, *args, **kwargs)
+        return write_copy(*args, **kwargs)
       finally:
         copying.on = False
 

@@ -13,10 +13,8 @@ from tfdp.checkpoint.local import copies
 @pytest.fixture
 def linked(tmp_path):
   """The local tiers of a 2-worker job joined by real side channels (tier_runs.linked_tiers)."""
-  tiers, _ = tier_runs.linked_tiers(str(tmp_path / "linked"))
-  yield tiers
-  for tier in tiers:
-    tier.close()
+  with tier_runs.linked(str(tmp_path / "linked")) as tiers:
+    yield tiers
 
 
 def test_writers_slower_than_the_saves_still_complete_each_step_everywhere(linked, monkeypatch):

@@ -44,10 +44,8 @@ def _files(folder):
 
 @pytest.fixture
 def tiers(tmp_path):
-  tiers, _ = tier_runs.linked_tiers(str(tmp_path / "local"))
-  yield tiers
-  for tier in tiers:
-    tier.close()
+  with tier_runs.linked(str(tmp_path / "local")) as tiers:
+    yield tiers
 
 
 def _assert_dropped(report, what):

@@ -485,12 +485,10 @@ def _held_everywhere(tiers):
 def linked(tmp_path):
   """(the local tiers of a 2-worker job joined by real side channels, an Event that `_hold` waits for)."""
   from tests import tier_runs  # pylint: disable=g-import-not-at-top
-  tiers, _ = tier_runs.linked_tiers(str(tmp_path / "linked"))
-  release = threading.Event()
-  yield tiers, release
-  release.set()
-  for tier in tiers:
-    tier.close()
+  with tier_runs.linked(str(tmp_path / "linked")) as tiers:
+    release = threading.Event()
+    yield tiers, release
+    release.set()
 
 
 def _hold(monkeypatch, worker, release):

@@ -6,6 +6,7 @@ every 2 steps; each is made once per session (tests/shared.py) and several
 tests assert on it.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -97,6 +98,17 @@ def linked_tiers(root, secret=None):
   for tier in tiers:
     tier.link.start([("localhost", t.link.port) for t in tiers])
   return tiers, secret
+
+
+@contextlib.contextmanager
+def linked(root):
+  """`linked_tiers(root)`'s tiers, closed when the block ends (a fixture's body)."""
+  tiers, _ = linked_tiers(root)
+  try:
+    yield tiers
+  finally:
+    for tier in tiers:
+      tier.close()
 
 
 def save_local(tier, step, position=b"position", wait=True):
