@@ -164,7 +164,7 @@ class Position:
     self.epoch.assign(epoch)
 
   def batch_end(self, step: int) -> None:
-    self.step_in_epoch.assign(step - self.epoch_first_step)
+    _set(self.step_in_epoch, step - self.epoch_first_step)  # At every step: the cheap assign.
 
   def epoch_end(self, epoch: int) -> None:
     self.epoch.assign(epoch + 1)
@@ -236,3 +236,13 @@ def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool
       f", {units.human_bytes(size)} per worker" if size else "") + (
           "; the epoch's steps are done, its end runs again"
           if steps and resume.step_in_epoch >= steps else "")
+
+
+def _set(variable, value) -> None:
+  """Assigns `value` to each replica's copy of `variable`, reading nothing back.
+
+  A mirrored variable's own assign costs about 0.45 ms in eager mode, and
+  about 0.05 ms this way (2 logical CPUs; scripts/bench_step_cost.py).
+  """
+  for v in getattr(variable, "values", (variable,)):
+    v.assign(value, read_value=False)
