@@ -5,6 +5,7 @@ Owns:
   manifest.py   the typed records (Manifest, FileRecord, SlotTensor) and their JSON (no TensorFlow);
   verify.py     checks of the bytes against a manifest: sizes, CRC-32, TF's CRC32C, slot files;
   slot_file.py  the local tier's slot files: a record's checks, read and receive with a CRC32C each;
+  checksum.py   CRC32C, one library for every tensor's checksum (it releases the GIL; no TensorFlow);
   commit.py     the one commit point and the one delete of both tiers, set-aside, torn-save cleanup;
   directory.py  what a directory holds: its files by checkpoint and kind, TF's state file (read);
   fs.py         the file-system seam: fsync, atomic writes, the one JSON reader and writer, listing;

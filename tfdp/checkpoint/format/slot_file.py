@@ -16,11 +16,11 @@ import os
 import struct
 import time
 
-import google_crc32c
 import numpy as np
 import tensorflow as tf
 
 from tfdp import errors
+from tfdp.checkpoint.format import checksum
 from tfdp.checkpoint.format import private
 
 CHUNK = 2 << 20  # Copied, then checksummed while in the cache (L2-sized).
@@ -101,16 +101,16 @@ def _strings(data, count):
       if b < 0x80:
         break
     lengths.append(n)
-    crc = google_crc32c.extend(crc, length_bytes(n))
+    crc = checksum.extend(crc, length_bytes(n))
   check = bytes(data[at:at + 4])
   if len(check) != 4 or struct.unpack("<I", check)[0] != mask(crc):
     raise ValueError("the string lengths do not match their CRC32C")
-  crc, at = google_crc32c.extend(crc, check), at + 4
+  crc, at = checksum.extend(crc, check), at + 4
   out = []
   for n in lengths:
     if at + n > len(data):
       raise ValueError("strings run past the tensor")
-    crc = google_crc32c.extend(crc, data[at:at + n])
+    crc = checksum.extend(crc, data[at:at + n])
     out.append(bytes(data[at:at + n]))
     at += n
   if at != len(data):
@@ -121,7 +121,7 @@ def _strings(data, count):
 def crc_of(entry, data) -> int:
   """The CRC32C of `entry`'s bytes `data` as its record states it (raises ValueError for malformed strings)."""
   if entry.dtype != "string":
-    return google_crc32c.value(data)
+    return checksum.value(data)
   count = int(np.prod(entry.shape, dtype=np.int64))
   return _strings(data, count)[1] if count else 0
 
@@ -217,7 +217,7 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None) -> None:
       e = numeric[i]
       a, b = max(pos, e.offset), min(end, e.offset + e.size)
       if b > a:
-        crcs[e.key] = google_crc32c.extend(crcs.get(e.key, 0), dst[a:b])
+        crcs[e.key] = checksum.extend(crcs.get(e.key, 0), dst[a:b])
       if e.offset + e.size > end:
         break
       if crcs.get(e.key, 0) != e.crc32c:

@@ -16,11 +16,11 @@ block, and the footer.
 import os
 import struct
 
-import google_crc32c
 from tensorflow.core.framework import tensor_shape_pb2
 from tensorflow.core.framework import versions_pb2
 from tensorflow.core.protobuf import tensor_bundle_pb2
 
+from tfdp.checkpoint.format import checksum
 from tfdp.checkpoint.format import fs
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import slot_file
@@ -44,7 +44,7 @@ def _block(pairs) -> bytes:
 def _framed(out: bytearray, block: bytes) -> bytes:
   """Appends `block` and its trailer to `out`; returns its handle (offset, size)."""
   handle = slot_file.varint(len(out)) + slot_file.varint(len(block))
-  crc = google_crc32c.extend(google_crc32c.value(block), _NO_COMPRESSION)
+  crc = checksum.extend(checksum.value(block), _NO_COMPRESSION)
   out += block + _NO_COMPRESSION + struct.pack("<I", slot_file.mask(crc))
   return handle
 

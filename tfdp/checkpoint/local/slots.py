@@ -3,8 +3,9 @@
 A worker has COUNT preallocated slot files (tfdp.checkpoint.local.slot_choice
 chooses which one a save fills; the committed newest is never written). A
 fill copies each tensor's bytes into the slot in chunks and extends the
-tensor's CRC32C over each chunk while it is in the cache (google-crc32c: C,
-hardware-accelerated). The format, its reader and its checks are
+tensor's CRC32C over each chunk while it is in the cache
+(tfdp.checkpoint.format.checksum: C, hardware-accelerated, without the
+GIL). The format, its reader and its checks are
 tfdp.checkpoint.format.slot_file.
 """
 
@@ -15,11 +16,11 @@ import os
 import struct
 import threading
 
-import google_crc32c
 import numpy as np
 import tensorflow as tf
 
 from tfdp import errors
+from tfdp.checkpoint.format import checksum
 from tfdp.checkpoint.format import private
 from tfdp.checkpoint.format import slot_file
 from tfdp.checkpoint.format.manifest import SlotTensor
@@ -35,9 +36,9 @@ def _string_head(values) -> tuple[bytes, int]:
   for v in values:
     n = len(v)
     lengths.append(slot_file.varint(n))
-    crc = google_crc32c.extend(crc, slot_file.length_bytes(n))
+    crc = checksum.extend(crc, slot_file.length_bytes(n))
   check = struct.pack("<I", slot_file.mask(crc))
-  return b"".join(lengths) + check, google_crc32c.extend(crc, check)
+  return b"".join(lengths) + check, checksum.extend(crc, check)
 
 
 @dataclasses.dataclass
@@ -200,7 +201,7 @@ class Slot:
       for a in range(0, len(buf), slot_file.CHUNK):
         chunk = buf[a:a + slot_file.CHUNK]
         dst[off + a:off + a + len(chunk)] = chunk
-        crc = google_crc32c.extend(crc, dst[off + a:off + a + len(chunk)])
+        crc = checksum.extend(crc, dst[off + a:off + a + len(chunk)])
       off += len(buf)
     return crc
 
