@@ -301,7 +301,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     due = cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=advance, **when)
     if due or advance:  # One call for both tiers, from one snapshot.
       self.manager.save_at_step(step, persistent=due, local=advance, metrics=self._metrics,
-                                blocked=self._blocked)
+                                blocked=self._blocked, before=self.position.sync)
 
   def _blocked(self, seconds, tier):
     """Goodput's: the time a save of `tier` blocked training (with a local save, the interval now)."""

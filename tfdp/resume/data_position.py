@@ -63,14 +63,15 @@ class DataPosition(trackable_base.Trackable):
     run = fit_hooks.current(cb.model) if cb.model is not None else None
     state, made, kind, skip = tf.constant(b""), 0, "none", 0
     if run is not None and run.dataset is not None:
-      at_epoch_end = int(cb.position.step_in_epoch.numpy()) == 0
+      at_epoch_end = cb.position.in_epoch == 0
       it = run.next_iterator(at_epoch_end=at_epoch_end)
       made, kind = run.dataset.iterators_made, "fresh"
       if it is not None:
         made = it._index - 1  # pylint: disable=protected-access
         try:
-          base = self._base_for(it, state_lib.global_step(cb.model))
-          state, kind, skip = base.state, "iterator", state_lib.global_step(cb.model) - base.step
+          step = state_lib.global_step(cb.model)
+          base = self._base_for(it, step)
+          state, kind, skip = base.state, "iterator", step - base.step
         except errors.CheckpointError as e:
           kind = "none"
           if not self._warned:

@@ -49,20 +49,25 @@ def _tensors(checkpoint, key_prefix="", with_object_graph=True):
     for key, slices in tensor_dict.items():
       if key == OBJECT_GRAPH_KEY and not with_object_graph:
         continue
-      if not isinstance(slices, dict):
-        slices = {"": slices}
-      for slice_spec, value in slices.items():
-        if isinstance(value, saveable_object.SaveSpec):
-          device = value.device
-          with tf.device(device if isinstance(device, str) and device else None):
-            value = value.tensor
-        if value is None:
-          continue
-        if callable(value) and not isinstance(value, tf.Tensor):
-          value = value()
-        out.append((key_prefix + key, slice_spec, tf.convert_to_tensor(value)))
+      out.extend(_values(key_prefix + key, slices))
   out.sort(key=lambda t: (t[0], t[1]))
   return out
+
+
+def _values(key, slices):
+  """(key, slice_spec, tensor) of one entry of an object's `_serialize_to_tensors()`, as TF's save reads it."""
+  if not isinstance(slices, dict):
+    slices = {"": slices}
+  for slice_spec, value in slices.items():
+    if isinstance(value, saveable_object.SaveSpec):
+      device = value.device
+      with tf.device(device if isinstance(device, str) and device else None):
+        value = value.tensor
+    if value is None:
+      continue
+    if callable(value) and not isinstance(value, tf.Tensor):
+      value = value()
+    yield key, slice_spec, tf.convert_to_tensor(value)
 
 
 def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
@@ -118,17 +123,84 @@ class CachedGather:
     self._fn, self._keys = values, list(keys)
 
   def __call__(self) -> list[Item]:
+    """The Items, sized where the trace knew the size (a local copy's writer measures the rest)."""
     if self._fn is None:
       self._trace()
     values = self._fn()
-    return [Item(key, spec, value, nbytes(value) if size is None else size)
-            for (key, spec, size), value in zip(self._keys, values)]
+    return [Item(key, spec, value, size) for (key, spec, size), value in zip(self._keys, values)]
 
   def check(self, items: list[Item]) -> None:
     """Retraces at the next call when `items` (a full gather) has other keys than the traced ones."""
     if self._keys is not None and [k[:2] for k in self._keys] != [
         (it.key, it.slice_spec) for it in items]:
       self._fn = self._keys = None
+
+
+class CachedWalk:
+  """`gather(checkpoint, key_prefix, with_object_graph=False)` without the object-graph walk, for frequent saves.
+
+  The local tier's per-worker state (a data position, callbacks' and
+  metrics' state) changes at every step but its objects do not. The first
+  call walks the object graph as `gather` does and keeps each object with
+  its path; later calls ask each object for its tensors (its
+  `_serialize_to_tensors`, what TF's save asks) and name them as TF's save
+  does. As `CachedGather`, it assumes the objects stay the same; `check()`
+  with a full gather's Items walks again at the next call when they
+  changed. Objects TF saves another way (Python state, legacy saveables)
+  make every call walk. Sizes are left to the local copy's writer.
+
+  Args:
+    checkpoint: the `tf.train.Checkpoint` of the objects.
+    key_prefix: put before every key (a worker's per-worker prefix).
+  """
+
+  def __init__(self, checkpoint, key_prefix: str):
+    self._checkpoint = checkpoint
+    self._prefix = key_prefix
+    self._objects = None  # [(object, its path)] of the last walk, or None.
+    self._keys = None
+
+  def __call__(self) -> list[Item]:
+    return self._walk() if self._objects is None else self._asked()
+
+  def _asked(self) -> list[Item]:
+    """The Items from asking each kept object, without a walk."""
+    out = []
+    for trackable, path in self._objects:
+      for name, slices in trackable._serialize_to_tensors().items():  # pylint: disable=protected-access
+        key = trackable_utils.checkpoint_key(path, trackable_utils.escape_local_name(name))
+        out.extend(_values(self._prefix + key, slices))
+    out.sort(key=lambda t: (t[0], t[1]))
+    return [Item(key, spec, value, None) for key, spec, value in out]
+
+  def _walk(self) -> list[Item]:
+    serialized, _, registered, _ = (
+        self._checkpoint._saver._gather_serialized_tensors(None))  # pylint: disable=protected-access
+    objects = []
+    for trackable, tensor_dict in serialized.items():
+      keys = [k for k in tensor_dict if k != OBJECT_GRAPH_KEY]
+      if not keys:
+        continue
+      paths = {k.rsplit("/" + trackable_utils.OBJECT_ATTRIBUTES_NAME + "/", 1)[0] for k in keys}
+      if (registered or trackable is None or isinstance(trackable, python_state.PythonState)
+          or type(trackable)._serialize_to_tensors  # pylint: disable=protected-access
+          is trackable_base.Trackable._serialize_to_tensors or len(paths) != 1):  # pylint: disable=protected-access
+        objects = None
+        break
+      objects.append((trackable, paths.pop()))
+    items = [Item(key, spec, value, None) for key, spec, value in
+             _tensors(self._checkpoint, self._prefix, with_object_graph=False)]
+    keys = [(it.key, it.slice_spec) for it in items]
+    self._objects = objects
+    if objects is not None and [(it.key, it.slice_spec) for it in self._asked()] != keys:
+      objects = self._objects = None  # Asking the objects would not name what TF's save names.
+    self._keys = keys if objects is not None else None
+    return items
+
+  def check(self, items: list[Item]) -> None:
+    """Walks again at the next call when `items` (a full gather) has other keys than the last walk's."""
+    if self._keys is not None and self._keys != [(it.key, it.slice_spec) for it in items]:
+      self._objects = self._keys = None
 
 
 def restore_values(checkpoint: tf.train.Checkpoint, values: dict, partial: bool = False,
@@ -216,6 +288,8 @@ class PerWorker:
     self.objects = dict(objects or {})
     self.worker = worker
     self.checkpoint = tf.train.Checkpoint(**self.objects) if self.objects else None
+    self._walk = (CachedWalk(self.checkpoint, layout_lib.per_worker_prefix(worker))
+                  if self.objects else None)
 
   @property
   def keys(self) -> list[str]:
@@ -226,12 +300,21 @@ class PerWorker:
     """Whether a copy's per-worker state must be restored exactly (each object's `tfdp_required`)."""
     return any(getattr(obj, "tfdp_required", True) for obj in self.objects.values())
 
-  def items(self) -> list[Item]:
-    """The state as Items under this worker's keys ([] when there is none)."""
+  def items(self, cached: bool = False) -> list[Item]:
+    """The state as Items under this worker's keys ([] when there is none).
+
+    `cached`: without walking the object graph and unsized (a local copy's;
+    see `CachedWalk`). Otherwise a full gather, which also tells the cached
+    walk when the objects changed.
+    """
     if self.checkpoint is None:
       return []
-    return gather(self.checkpoint, layout_lib.per_worker_prefix(self.worker),
-                  with_object_graph=False)
+    if cached:
+      return self._walk()
+    items = gather(self.checkpoint, layout_lib.per_worker_prefix(self.worker),
+                   with_object_graph=False)
+    self._walk.check(items)
+    return items
 
 
 # The bytes of the last variants written: a data position is saved against

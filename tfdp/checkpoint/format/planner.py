@@ -20,7 +20,7 @@ class Item:
   key: str
   slice_spec: str
   value: object  # tf.Tensor, or np.ndarray once snapshotted.
-  nbytes: int
+  nbytes: int | None  # None: not measured (a local copy's writer measures each tensor itself).
 
 
 @dataclasses.dataclass(frozen=True)
