@@ -46,9 +46,9 @@ with strategy.scope():
                             keras.layers.Dense(856, activation="relu"), keras.layers.Dense(10)])
   model.compile(optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-every = {"never": None, "every5": 5, "auto": "auto"}.get(variant, 1)
+every = {"never": None, "every5": 5, "auto": "auto", "async50": None}.get(variant, 1)
 root = f"/tmp/b45/{variant}-{threads}-{os.getpid()}"
-kw = dict(save_freq=False)
+kw = dict(save_freq=50, async_save=True) if variant == "async50" else dict(save_freq=False)
 if every is not None:
   kw.update(local_checkpoint_every_steps=every)
 cb = tfdp.callbacks.BackupAndRestore(root + "/backup", **kw)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp import callbacks
-from tfdp.checkpoint.format import items as items_lib
+from tfdp.checkpoint.format import reads
 from tfdp.checkpoint.local.options import LocalOptions
 from tfdp.checkpoint.manager import CheckpointManager
 
@@ -34,7 +34,7 @@ def test_a_steps_saves_to_both_tiers_take_one_snapshot(tmp_path):
       every_steps=2, directory=str(tmp_path / "local")))
   gathered, told = [], []
 
-  class Counted(items_lib.CachedGather):
+  class Counted(reads.CachedGather):
 
     def __call__(self):
       gathered.append(int(step.numpy()))
@@ -48,7 +48,7 @@ def test_a_steps_saves_to_both_tiers_take_one_snapshot(tmp_path):
       assert manager.save_at_step(s, persistent=s == 4, blocked=lambda _, tier, s=s: told.append(
           (s, tier))) == (manager.latest_checkpoint if s == 4 else None)
     manager.sync()
-    assert gathered == [2], gathered  # Step 4's local copy is the persistent save's snapshot.
+    assert gathered == [2, 4], gathered  # Step 4's local copy is the persistent save's snapshot.
     assert told == [(2, "local"), (4, "persistent"), (4, "local")], told
     assert [os.path.basename(p) for p in manager.local_checkpoints()] == ["ckpt-2", "ckpt-4"]
     assert os.path.basename(manager.latest_checkpoint) == "ckpt-4"

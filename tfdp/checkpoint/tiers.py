@@ -14,6 +14,7 @@ from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import manifest as manifest_lib
 from tfdp.checkpoint.format import planner
+from tfdp.checkpoint.format import reads
 from tfdp.checkpoint.persistent import writer as storage
 
 _number = items_lib.number
@@ -22,31 +23,36 @@ _number = items_lib.number
 class Snapshot:
   """The state at one step, taken at most once and handed to every tier due at that step.
 
-  A persistent save takes it whole (`for_persistent`: a full gather, which
-  also tells the traced one when the checkpoint's objects changed); a local
-  save alone takes it in one traced call (`for_local`). At the step of a
-  persistent save the local save gets what that one took: the same reads
-  and data position for both tiers (one snapshot on CPU; on a GPU the local
-  tier still copies device tensors into its host mirrors). It lives for one
-  call of the manager, so nothing taken outlives the step.
+  It is taken by the cached reads (tfdp.checkpoint.format.reads): the
+  variables in one traced call, the per-worker state by asking its objects.
+  A persistent save first checks, with a walk that reads nothing, that the
+  checkpoint's objects are those the reads were made for (they are made
+  again if not), and sizes every Item (`for_persistent`); a local save
+  alone relies on the last check (`for_local`), as TF's async checkpoint
+  does after its first save. At the step of a persistent save the local
+  save gets what that one took: the same reads and data position for both
+  tiers (one snapshot on CPU; on a GPU the local tier still copies device
+  tensors into its host mirrors). It lives for one call of the manager, so
+  nothing taken outlives the step.
 
   Args:
     checkpoint: the `tf.train.Checkpoint`.
-    gather: its `tfdp.checkpoint.format.items.CachedGather`.
+    gather: its `tfdp.checkpoint.format.reads.CachedGather`.
     per_worker: the manager's `tfdp.checkpoint.format.items.PerWorker`.
   """
 
-  def __init__(self, checkpoint, gather: items_lib.CachedGather, per_worker: items_lib.PerWorker):
+  def __init__(self, checkpoint, gather: reads.CachedGather, per_worker: items_lib.PerWorker):
     self._checkpoint = checkpoint
     self._gather = gather
     self._per_worker = per_worker
     self._taken = None  # Items + this worker's per-worker Items, once taken.
 
   def for_persistent(self) -> tuple[list[planner.Item], list[planner.Item]]:
-    """(the checkpoint's Items, this worker's per-worker Items), from a full gather."""
-    items = items_lib.gather(self._checkpoint)
-    self._gather.check(items)
-    own = self._per_worker.items()
+    """(the checkpoint's Items, this worker's per-worker Items), sized, after checking the objects."""
+    self._gather.check()
+    self._per_worker.check()
+    items = items_lib.sized(self._gather())
+    own = items_lib.sized(self._per_worker.items(cached=True))
     self._taken = items + own
     return items, own
 
@@ -210,7 +216,7 @@ class Tiers:
                local, step_counter, checkpoint_interval, last_checkpoint_step, keep_own):
     self._checkpoint = checkpoint
     self._per_worker = per_worker
-    self.gather = items_lib.CachedGather(checkpoint)  # The local saves' traced reads.
+    self.gather = reads.CachedGather(checkpoint)  # The saves' traced reads.
     self.persistent = persistent
     self.local = local
     self._step_counter = step_counter
@@ -261,9 +267,12 @@ class Tiers:
     Returns:
       The persistent prefix, or None without a persistent save.
     """
+    local_step = step if local and self.local_due(step) else None
+    if not persistent and local_step is None:
+      return None  # Most steps: nothing is read.
     counter = None if self._step_counter is None else _number(self._step_counter)
-    return self.save((counter, step, metrics, None) if persistent else None,
-                     step if local and self.local_due(step) else None, blocked, before)
+    return self.save((counter, step, metrics, None) if persistent else None, local_step,
+                     blocked, before)
 
   def restored(self, prefix: str, man, tier: str) -> None:
     """After a restore of `prefix` (manifest `man`) from `tier`: the steps saved, and the local tier told."""

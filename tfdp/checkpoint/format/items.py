@@ -13,9 +13,9 @@ from tensorflow.python.trackable import python_state
 from tensorflow.python.trackable import trackable_utils
 from tensorflow.python.training.saving import saveable_object
 
-from tfdp import errors
 from tfdp.checkpoint.format.planner import Item
 from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format import reads
 from tfdp.checkpoint.format.planner import OBJECT_GRAPH_KEY
 
 
@@ -36,40 +36,6 @@ def nbytes(t) -> int:
   return int(np.prod(t.shape, dtype=np.int64)) * t.dtype.size
 
 
-def _tensors(checkpoint, key_prefix="", with_object_graph=True):
-  """(key, slice_spec, tensor) of `checkpoint`'s serialization, sorted; eager or inside a tf.function."""
-  serialized, _, registered, _ = (
-      checkpoint._saver._gather_serialized_tensors(None))  # pylint: disable=protected-access
-  if registered:
-    raise errors.CheckpointError(
-        f"Objects with registered savers ({sorted(registered)}) are not "
-        "supported by tfdp.CheckpointManager; save them with tf.train.Checkpoint.")
-  out = []
-  for tensor_dict in serialized.values():
-    for key, slices in tensor_dict.items():
-      if key == OBJECT_GRAPH_KEY and not with_object_graph:
-        continue
-      out.extend(_values(key_prefix + key, slices))
-  out.sort(key=lambda t: (t[0], t[1]))
-  return out
-
-
-def _values(key, slices):
-  """(key, slice_spec, tensor) of one entry of an object's `_serialize_to_tensors()`, as TF's save reads it."""
-  if not isinstance(slices, dict):
-    slices = {"": slices}
-  for slice_spec, value in slices.items():
-    if isinstance(value, saveable_object.SaveSpec):
-      device = value.device
-      with tf.device(device if isinstance(device, str) and device else None):
-        value = value.tensor
-    if value is None:
-      continue
-    if callable(value) and not isinstance(value, tf.Tensor):
-      value = value()
-    yield key, slice_spec, tf.convert_to_tensor(value)
-
-
 def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
            with_object_graph: bool = True) -> list[Item]:
   """Returns the Items of `checkpoint`, without copying.
@@ -82,125 +48,13 @@ def gather(checkpoint: tf.train.Checkpoint, key_prefix: str = "",
     CheckpointError: an object has a registered saver (not supported).
   """
   return [Item(key, spec, value, nbytes(value))
-          for key, spec, value in _tensors(checkpoint, key_prefix, with_object_graph)]
+          for key, spec, value in reads.tensors(checkpoint, key_prefix, with_object_graph)]
 
 
-class CachedGather:
-  """`gather(checkpoint)` as one traced TF function, for frequent saves (the local tier).
-
-  One call reads every tensor in one function call (about 1 ms for a Keras
-  model) instead of one eager op and a graph walk per variable (about 0.5
-  ms per variable). As TF's own async checkpointing does after its first
-  save, it assumes that the checkpoint's objects stay the same; `check()`
-  with the keys of a full `gather` (every persistent save) retraces it when
-  they changed.
-
-  Args:
-    checkpoint: the `tf.train.Checkpoint`.
-  """
-
-  def __init__(self, checkpoint: tf.train.Checkpoint):
-    self._checkpoint = checkpoint
-    self._fn = None
-    self._keys = None
-
-  def _trace(self):
-    keys = []
-
-    @tf.function(autograph=False)
-    def values():
-      keys.clear()
-      out = []
-      for key, spec, value in _tensors(self._checkpoint):
-        # Sizes are known from the trace, except those of strings.
-        static = (None if value.dtype == tf.string or not value.shape.is_fully_defined()
-                  else value.shape.num_elements() * value.dtype.size)
-        keys.append((key, spec, static))
-        out.append(value)
-      return out
-
-    values.get_concrete_function()
-    self._fn, self._keys = values, list(keys)
-
-  def __call__(self) -> list[Item]:
-    """The Items, sized where the trace knew the size (a local copy's writer measures the rest)."""
-    if self._fn is None:
-      self._trace()
-    values = self._fn()
-    return [Item(key, spec, value, size) for (key, spec, size), value in zip(self._keys, values)]
-
-  def check(self, items: list[Item]) -> None:
-    """Retraces at the next call when `items` (a full gather) has other keys than the traced ones."""
-    if self._keys is not None and [k[:2] for k in self._keys] != [
-        (it.key, it.slice_spec) for it in items]:
-      self._fn = self._keys = None
-
-
-class CachedWalk:
-  """`gather(checkpoint, key_prefix, with_object_graph=False)` without the object-graph walk, for frequent saves.
-
-  The local tier's per-worker state (a data position, callbacks' and
-  metrics' state) changes at every step but its objects do not. The first
-  call walks the object graph as `gather` does and keeps each object with
-  its path; later calls ask each object for its tensors (its
-  `_serialize_to_tensors`, what TF's save asks) and name them as TF's save
-  does. As `CachedGather`, it assumes the objects stay the same; `check()`
-  with a full gather's Items walks again at the next call when they
-  changed. Objects TF saves another way (Python state, legacy saveables)
-  make every call walk. Sizes are left to the local copy's writer.
-
-  Args:
-    checkpoint: the `tf.train.Checkpoint` of the objects.
-    key_prefix: put before every key (a worker's per-worker prefix).
-  """
-
-  def __init__(self, checkpoint, key_prefix: str):
-    self._checkpoint = checkpoint
-    self._prefix = key_prefix
-    self._objects = None  # [(object, its path)] of the last walk, or None.
-    self._keys = None
-
-  def __call__(self) -> list[Item]:
-    return self._walk() if self._objects is None else self._asked()
-
-  def _asked(self) -> list[Item]:
-    """The Items from asking each kept object, without a walk."""
-    out = []
-    for trackable, path in self._objects:
-      for name, slices in trackable._serialize_to_tensors().items():  # pylint: disable=protected-access
-        key = trackable_utils.checkpoint_key(path, trackable_utils.escape_local_name(name))
-        out.extend(_values(self._prefix + key, slices))
-    out.sort(key=lambda t: (t[0], t[1]))
-    return [Item(key, spec, value, None) for key, spec, value in out]
-
-  def _walk(self) -> list[Item]:
-    serialized, _, registered, _ = (
-        self._checkpoint._saver._gather_serialized_tensors(None))  # pylint: disable=protected-access
-    objects = []
-    for trackable, tensor_dict in serialized.items():
-      keys = [k for k in tensor_dict if k != OBJECT_GRAPH_KEY]
-      if not keys:
-        continue
-      paths = {k.rsplit("/" + trackable_utils.OBJECT_ATTRIBUTES_NAME + "/", 1)[0] for k in keys}
-      if (registered or trackable is None or isinstance(trackable, python_state.PythonState)
-          or type(trackable)._serialize_to_tensors  # pylint: disable=protected-access
-          is trackable_base.Trackable._serialize_to_tensors or len(paths) != 1):  # pylint: disable=protected-access
-        objects = None
-        break
-      objects.append((trackable, paths.pop()))
-    items = [Item(key, spec, value, None) for key, spec, value in
-             _tensors(self._checkpoint, self._prefix, with_object_graph=False)]
-    keys = [(it.key, it.slice_spec) for it in items]
-    self._objects = objects
-    if objects is not None and [(it.key, it.slice_spec) for it in self._asked()] != keys:
-      objects = self._objects = None  # Asking the objects would not name what TF's save names.
-    self._keys = keys if objects is not None else None
-    return items
-
-  def check(self, items: list[Item]) -> None:
-    """Walks again at the next call when `items` (a full gather) has other keys than the last walk's."""
-    if self._keys is not None and self._keys != [(it.key, it.slice_spec) for it in items]:
-      self._objects = self._keys = None
+def sized(items: list[Item]) -> list[Item]:
+  """`items` with every size known (a cached read leaves strings' and its walk's unsized)."""
+  return [it if it.nbytes is not None else dataclasses.replace(it, nbytes=nbytes(it.value))
+          for it in items]
 
 
 def restore_values(checkpoint: tf.train.Checkpoint, values: dict, partial: bool = False,
@@ -288,7 +142,7 @@ class PerWorker:
     self.objects = dict(objects or {})
     self.worker = worker
     self.checkpoint = tf.train.Checkpoint(**self.objects) if self.objects else None
-    self._walk = (CachedWalk(self.checkpoint, layout_lib.per_worker_prefix(worker))
+    self._walk = (reads.CachedWalk(self.checkpoint, layout_lib.per_worker_prefix(worker))
                   if self.objects else None)
 
   @property
@@ -303,18 +157,21 @@ class PerWorker:
   def items(self, cached: bool = False) -> list[Item]:
     """The state as Items under this worker's keys ([] when there is none).
 
-    `cached`: without walking the object graph and unsized (a local copy's;
-    see `CachedWalk`). Otherwise a full gather, which also tells the cached
-    walk when the objects changed.
+    `cached`: without walking the object graph, unsized (see
+    `tfdp.checkpoint.format.reads.CachedWalk`; `check()` first where the
+    objects may have changed). Otherwise a full read, sized.
     """
     if self.checkpoint is None:
       return []
     if cached:
       return self._walk()
-    items = gather(self.checkpoint, layout_lib.per_worker_prefix(self.worker),
-                   with_object_graph=False)
-    self._walk.check(items)
-    return items
+    return gather(self.checkpoint, layout_lib.per_worker_prefix(self.worker),
+                  with_object_graph=False)
+
+  def check(self) -> None:
+    """The cached reads walk again at their next call if the objects changed."""
+    if self._walk is not None:
+      self._walk.check()
 
 
 # The bytes of the last variants written: a data position is saved against

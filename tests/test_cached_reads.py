@@ -1,0 +1,100 @@
+"""The cached reads of frequent saves (tfdp.checkpoint.format.reads) hold what TF's own save reads, at the step they are taken."""
+
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdp.checkpoint.format import reads
+from tfdp.checkpoint.local.options import LocalOptions
+from tfdp.checkpoint.manager import CheckpointManager
+from tfdp.resume import train_state
+
+
+class _Counter(tf.train.experimental.PythonState):
+  """A user's Python state: its value changes as training goes."""
+
+  def __init__(self):
+    self.n = 0
+
+  def serialize(self):
+    return str(self.n)
+
+  def deserialize(self, string_value):
+    self.n = int(string_value)
+
+
+def _manager(root, ckpt, **kw):
+  return CheckpointManager(ckpt, os.path.join(root, "model"), local_options=LocalOptions(
+      every_steps=1, directory=os.path.join(root, "local")), **kw)
+
+
+def test_a_local_copy_holds_the_python_state_of_its_own_step(tmp_path):
+  """A traced read would hold a Python state's value of its first save; every copy holds its own."""
+  counter, v = _Counter(), tf.Variable(0.0)
+  manager = _manager(str(tmp_path), tf.train.Checkpoint(v=v, counter=counter))
+  try:
+    for step in (1, 2, 3):
+      counter.n, _ = 10 * step, v.assign(float(step))
+      manager.save_local(step)
+    manager.sync()
+  finally:
+    manager.close()
+  fresh, w = _Counter(), tf.Variable(0.0)
+  again = _manager(str(tmp_path), tf.train.Checkpoint(v=w, counter=fresh))
+  try:
+    assert again.restore_or_initialize().endswith("ckpt-3")
+  finally:
+    again.close()
+  assert (fresh.n, float(w.numpy())) == (30, 3.0)
+
+
+def test_a_persistent_save_after_the_objects_changed_holds_the_new_ones(tmp_path):
+  """The traced read is made again when an object joined the checkpoint, and per-worker state's walk too."""
+  own = tf.Module()
+  own.a = tf.Variable(1.0)
+  ckpt = tf.train.Checkpoint(v=tf.Variable(1.0))
+  manager = _manager(str(tmp_path), ckpt, per_worker={"own": own})
+  try:
+    manager.save_at_step(1, persistent=True)
+    ckpt.w = tf.Variable(2.0)
+    own.b = tf.Variable(3.0)
+    manager.save_at_step(2, persistent=True)
+    manager.sync()
+    reader = tf.train.load_checkpoint(manager.latest_checkpoint)
+    names = set(reader.get_variable_to_shape_map())
+  finally:
+    manager.close()
+  assert reader.get_tensor("w/.ATTRIBUTES/VARIABLE_VALUE") == 2.0
+  assert any(n.endswith("own/b/.ATTRIBUTES/VARIABLE_VALUE") for n in names), sorted(names)
+
+
+def test_the_cached_reads_name_and_read_what_a_full_read_does():
+  """Side by side with TF's walk: the same keys, slices and values, Python state included."""
+  counter = _Counter()
+  counter.n = 7
+  module = tf.Module()
+  module.table = tf.Variable(tf.reshape(tf.range(6.0), [2, 3]))
+  ckpt = tf.train.Checkpoint(m=module, counter=counter, step=tf.Variable(5, dtype=tf.int64))
+  full = reads.tensors(ckpt)
+  cached = reads.CachedGather(ckpt)
+  for _ in range(2):  # Traced, then from the trace.
+    got = cached()
+    assert [(it.key, it.slice_spec) for it in got] == [(k, s) for k, s, _ in full]
+    for it, (_, _, value) in zip(got, full):
+      if it.key != "_CHECKPOINTABLE_OBJECT_GRAPH":
+        np.testing.assert_array_equal(it.value.numpy(), value.numpy())
+  walk = reads.CachedWalk(ckpt, "p/")
+  for _ in range(2):  # Walked, then asked.
+    assert [(it.key, it.slice_spec) for it in walk()] == [
+        ("p/" + k, s) for k, s, _ in reads.tensors(ckpt, with_object_graph=False)]
+
+
+def test_the_global_step_is_the_optimizers_iterations_under_a_strategy():
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+  model.fit(np.zeros((8, 2)), np.zeros((8, 1)), batch_size=4, epochs=1, verbose=0)
+  assert train_state.global_step(model) == int(model.optimizer.iterations.numpy()) == 2
