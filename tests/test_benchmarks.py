@@ -69,7 +69,7 @@ def test_smoke_writes_json(results, script):
   if script == "bench_resume.py":
     assert {r["variant"] for r in data["rows"]} == {"tfdp", "stock"}
   if script == "bench_tiers.py":
-    throughput = data["results"]["throughput"]
+    throughput = data["results"]["throughput"]["free"]
     assert throughput["targets"]["local@auto"]["ratio"] > 0
     assert all(i >= 1 for i in throughput["local_interval"]["local@auto"]), throughput
 
