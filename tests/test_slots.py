@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import tensorflow as tf
 
 from tests import shared
 from tests.conftest import REPO
+from tfdp.checkpoint.format import checksum
 from tfdp.checkpoint.format import slot_file
 from tfdp.checkpoint.local import bundle
 from tfdp.checkpoint.local import slots
@@ -202,3 +204,22 @@ def test_device_tensors_go_to_host_buffers_reused_by_every_save():
   second = mirrors(("k", ""), tf.constant([3.0, 4.0]))
   assert len(mirrors._vars) == 1 and "CPU" in second.device  # pylint: disable=protected-access
   assert first.numpy().tolist() == [1.0, 2.0] and second.numpy().tolist() == [3.0, 4.0]
+
+
+def test_the_checksum_is_crc32c_and_leaves_the_gil_to_other_threads():
+  """A writer thread's checksum must not stop the training thread's Python (format/checksum.py)."""
+  assert checksum.value(b"123456789") == 0xE3069283  # CRC-32C's check value.
+  assert checksum.extend(checksum.value(b"1234"), b"56789") == 0xE3069283
+  data = np.frombuffer(os.urandom(1 << 20), np.uint8)
+  data = np.tile(data, 256)  # 256 MB: tens of ms in one call.
+  seconds = []
+  worker = threading.Thread(target=lambda: seconds.append(
+      (time.perf_counter(), checksum.value(data), time.perf_counter())))
+  gaps, last = [], time.perf_counter()
+  worker.start()
+  while worker.is_alive():  # Held, the GIL would stop this loop for the whole call.
+    now = time.perf_counter()
+    gaps.append(now - last)
+    last = now
+  (start, _, end), = seconds
+  assert max(gaps) < 0.5 * (end - start), (max(gaps), end - start)
