@@ -101,3 +101,40 @@ def test_auto_cadence_measures_agrees_and_saves_on_its_interval(tmp_path):
   assert backup.manager.local_checkpoint_every_steps == "auto"
   costs = list(backup.manager._local.costs)  # pylint: disable=protected-access
   assert costs and all(b >= 0 and w >= 0 for b, w in costs), costs
+
+
+def test_the_callbacks_work_at_a_step_is_a_few_ops_whatever_the_model(tmp_path, monkeypatch):
+  """Counted on the training thread inside the callback: a step that saves nothing runs one TF op (the step's read); a local save a few, not one per variable."""
+  from tensorflow.python import pywrap_tfe  # pylint: disable=g-import-not-at-top
+  ops, inside = [], threading.local()
+  for name in ("TFE_Py_FastPathExecute", "TFE_Py_Execute"):
+    real = getattr(pywrap_tfe, name)
+
+    def counted(*a, real=real, name=name, **k):
+      if getattr(inside, "step", None) is not None:
+        ops[-1].append(name)
+      return real(*a, **k)
+
+    monkeypatch.setattr(pywrap_tfe, name, counted)
+  real_end = callbacks.BackupAndRestore.on_train_batch_end
+
+  def end(self, batch, logs=None):
+    inside.step, _ = batch, ops.append([])
+    try:
+      return real_end(self, batch, logs)
+    finally:
+      inside.step = None
+
+  monkeypatch.setattr(callbacks.BackupAndRestore, "on_train_batch_end", end)
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(6)])
+  model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])  # 37 variables to save.
+  dataset = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(256, seed=1).batch(8).repeat()
+  for every, most in ((None, 1), (1, 8)):
+    ops.clear()
+    kw = {} if every is None else dict(local_checkpoint_every_steps=every,
+                                       local_checkpoint_dir=str(tmp_path / "local"))
+    backup = callbacks.BackupAndRestore(str(tmp_path / f"b{every}"), save_freq=False, **kw)
+    model.fit(dataset, epochs=1, steps_per_epoch=12, verbose=0, callbacks=[backup])
+    counts = [len(step) for step in ops[2:]]  # After the first saves traced their reads.
+    assert counts and max(counts) <= most, (every, ops)

@@ -32,7 +32,7 @@ def global_step(model: keras.Model) -> int:
   copies = getattr(v, "values", None)
   if copies and v.synchronization != tf.VariableSynchronization.ON_READ:
     v = copies[0]
-  return int(v.numpy())
+  return int(v.value().numpy())  # One op (`numpy()` adds an identity).
 
 
 def _tree(keyed):
