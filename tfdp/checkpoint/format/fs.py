@@ -113,7 +113,7 @@ def write_atomic(path: str, text, tmp: str | None = None, durable: bool = True) 
 
 def write_json_atomic(path: str, obj, durable: bool = True) -> None:
   """Writes `obj` as JSON to `path`, atomically (see write_atomic; `durable=False`: no fsync)."""
-  write_atomic(path, json.dumps(obj, indent=1, sort_keys=True), durable=durable)
+  write_atomic(path, json.dumps(obj, sort_keys=True), durable=durable)  # One line: C encoder.
 
 
 def read_text(path: str) -> str | None:

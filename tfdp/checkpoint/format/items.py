@@ -185,7 +185,8 @@ def writable(value) -> tf.Tensor:
 
   The writer calls it, so a save's blocking part takes variants as they are.
   """
-  value = tf.convert_to_tensor(value)
+  if not isinstance(value, tf.Tensor):  # A tensor as is: the writer asks for each one at every save.
+    value = tf.convert_to_tensor(value)
   if value.dtype != tf.variant:
     return value
   # Held while the bytes are made: the persistent and the local writer of
