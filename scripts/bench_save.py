@@ -14,7 +14,7 @@ iterator of a tf.data pipeline with a shuffle buffer, as per-worker state):
               the step would cost the memcpy instead;
   writer CPU  the CPU time of the writer thread per save (its thread clock;
               TF's SaveV2 runs on the calling thread), beside the local
-              tier's floor, a memcpy plus google-crc32c over the same bytes
+              tier's floor, a memcpy plus the CRC32C (tfdp's library) of the same bytes
               (goal: at most 1.5x), and beside the CPU of a raw write of
               the same bytes (one `os.writev` + fsync);
   memory      the memory the saves hold: a local save's two slots (mapped
@@ -71,8 +71,8 @@ def _status(field="VmHWM"):
 
 
 def _floors(nbytes, directory):
-  """Medians of (memcpy, raw write+fsync, raw write CPU, google-crc32c) seconds for `nbytes`."""
-  import google_crc32c  # pylint: disable=g-import-not-at-top
+  """Medians of (memcpy, raw write+fsync, raw write CPU, CRC32C) seconds for `nbytes`."""
+  from tfdp.checkpoint.format import checksum  # pylint: disable=g-import-not-at-top
   src = np.ones(nbytes // 4, np.float32)
   dst = np.empty_like(src)
   copies, writes, cpus, crcs = [], [], [], []
@@ -82,7 +82,7 @@ def _floors(nbytes, directory):
     np.copyto(dst, src)
     copies.append(time.perf_counter() - t)
     t = time.perf_counter()
-    google_crc32c.value(dst)
+    checksum.value(dst)
     crcs.append(time.perf_counter() - t)
     t, c = time.perf_counter(), time.thread_time()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)

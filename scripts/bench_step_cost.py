@@ -1,68 +1,111 @@
-"""Where a saving step's time goes (issue 45): the issue's user script, one variant per process.
+"""Where a saving step's time goes: the issue-45 user script, one variant per process, one JSON line.
 
-python step_cost.py VARIANT THREADS STEPS -> one JSON line: steps/s after step 100, callback ms/step, writer CPU.
-VARIANT: never | every1 | every5 | auto | every1_gilfree | every1_nowrite | every1_nocrc
-THREADS: 1 (a free core: training confined to one thread) or 0 (TF's default, both cores busy).
+    python scripts/bench_step_cost.py VARIANT CORES STEPS [ROOT]
+
+A user's plain script: `MirroredStrategy` over 2 logical CPUs, a 1.41M-
+parameter MLP with Adam (16.9 MB of state), `shuffle(2048)`, `model.fit`
+with `tfdp.callbacks.BackupAndRestore(save_freq=False, ...)`.
+
+VARIANT:
+  never          the callback never saves (the baseline);
+  every1, every5 local saves every 1 / 5 steps; auto: "auto" (2% budget);
+  async50        async persistent saves every 50 steps (save_freq=50);
+  every1_nowrite every step, the local writer replaced by nothing (what the
+                 training thread pays alone);
+  every1_nocrc   every step without the CRC32C (what the checksum costs).
+CORES: free (training in one thread: intra- and inter-op threads 1, a core
+  left free as on a GPU host) or busy (TF's defaults: both cores train).
+ROOT: where the backup goes (default /tmp/b45); the local tier goes to its
+  default directory (/dev/shm).
+
+Prints steps/s after step 100; the callback's wall and CPU milliseconds per
+step on the training thread (its `on_train_batch_end`, saves included); the
+local writer thread's CPU per save; the process's CPU seconds.
+`scripts/bench_tiers.py --parts=throughput` runs the same comparison as
+interleaved rounds; this script is its breakdown.
 """
-import json, os, sys, time
-variant, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-import numpy as np
-import tensorflow as tf
-if threads:
-  tf.config.threading.set_intra_op_parallelism_threads(threads)
-  tf.config.threading.set_inter_op_parallelism_threads(threads)
-import keras
-import tfdp
+import json
+import os
+import sys
+import time
+
+variant, cores, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root = os.path.join(sys.argv[4] if len(sys.argv) > 4 else "/tmp/b45", f"{variant}-{os.getpid()}")
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
+if cores == "free":
+  tf.config.threading.set_intra_op_parallelism_threads(1)
+  tf.config.threading.set_inter_op_parallelism_threads(1)
+import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tfdp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdp.callbacks import backup as backup_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdp.checkpoint.local import tier as tier_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 strategy = tfdp.make_strategy(cpu_replicas=2)
-from tfdp.checkpoint.local import slots, tier as tier_lib
-from tfdp.callbacks import backup as backup_lib
-
-if variant.endswith("_gilfree") or variant.endswith("_nocrc"):
-  import crc32c
-  class _Shim:
-    @staticmethod
-    def extend(crc, buf):
-      return 0 if variant.endswith("_nocrc") else crc32c.crc32c(buf, value=crc)
-  slots.google_crc32c = _Shim
+if variant.endswith("_nocrc"):
+  from tfdp.checkpoint.format import checksum  # pylint: disable=g-import-not-at-top
+  checksum.extend = lambda crc, buf: 0
 if variant.endswith("_nowrite"):
-  tier_lib.LocalTier._write = lambda self, *a, **k: None
+  tier_lib.LocalTier._write = lambda self, *a, **k: None  # pylint: disable=protected-access
+writer_cpu = []
+real_write = tier_lib.LocalTier._write  # pylint: disable=protected-access
 
-cb_time = [0.0]
+
+def timed_write(self, *a, **k):
+  start = time.thread_time()
+  try:
+    return real_write(self, *a, **k)
+  finally:
+    writer_cpu.append(time.thread_time() - start)
+
+
+tier_lib.LocalTier._write = timed_write  # pylint: disable=protected-access
+spent = [0.0, 0.0]
 real_end = backup_lib.BackupAndRestore.on_train_batch_end
-def timed_end(self, batch, logs=None):
-  t = time.perf_counter(); out = real_end(self, batch, logs); cb_time[0] += time.perf_counter() - t
-  return out
-backup_lib.BackupAndRestore.on_train_batch_end = timed_end
 
+
+def timed_end(self, batch, logs=None):
+  wall, cpu = time.perf_counter(), time.thread_time()
+  out = real_end(self, batch, logs)
+  spent[0] += time.perf_counter() - wall
+  spent[1] += time.thread_time() - cpu
+  return out
+
+
+backup_lib.BackupAndRestore.on_train_batch_end = timed_end
 N = 2048
 x = np.random.default_rng(0).normal(size=(N, 512)).astype("float32")
 y = np.random.default_rng(1).integers(0, 10, N)
-ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048).repeat().batch(64)
-with strategy.scope():
-  # 512*2048 + 2048*1024 + 1024*10 floats ~ 3.1 M params = 12.6 MB; Adam's two slots triple the state (~38 MB)
-  # -> the issue's "16 MB model and Adam state": 1.4 M params x 3 = 16.8 MB.
+ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=1).repeat().batch(64)
+keras.utils.set_random_seed(0)
+with strategy.scope():  # 1.41M parameters: 16.9 MB with Adam's two slots.
   model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
                             keras.layers.Dense(856, activation="relu"), keras.layers.Dense(10)])
   model.compile(optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 every = {"never": None, "every5": 5, "auto": "auto", "async50": None}.get(variant, 1)
-root = f"/tmp/b45/{variant}-{threads}-{os.getpid()}"
 kw = dict(save_freq=50, async_save=True) if variant == "async50" else dict(save_freq=False)
 if every is not None:
   kw.update(local_checkpoint_every_steps=every)
-cb = tfdp.callbacks.BackupAndRestore(root + "/backup", **kw)
+cb = tfdp.callbacks.BackupAndRestore(os.path.join(root, "backup"), **kw)
 stamps = []
+
+
 class Stamp(keras.callbacks.Callback):
+
   def on_train_batch_end(self, batch, logs=None):
     stamps.append(time.perf_counter())
+
+
 t0 = time.process_time()
 model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[cb, Stamp()])
 cpu = time.process_time() - t0
 st = stamps[100:]
-rate = (len(st) - 1) / (st[-1] - st[0])
 params = sum(int(np.prod(v.shape)) for v in model.weights)
-print(json.dumps({"variant": variant, "threads": threads, "steps_per_s": round(rate, 2),
-                  "callback_ms_per_step": round(1000 * cb_time[0] / len(stamps), 3),
-                  "process_cpu_s": round(cpu, 2), "wall_s": round(stamps[-1] - stamps[0], 2),
-                  "state_mb": round(params * 4 * 3 / 1e6, 1)}), flush=True)
+print(json.dumps({
+    "variant": variant, "cores": cores, "steps_per_s": round((len(st) - 1) / (st[-1] - st[0]), 2),
+    "callback_ms_per_step": round(1000 * spent[0] / len(stamps), 3),
+    "callback_cpu_ms_per_step": round(1000 * spent[1] / len(stamps), 3),
+    "writer_cpu_ms_per_save": round(1000 * float(np.median(writer_cpu)), 2) if writer_cpu else None,
+    "saves_written": len(writer_cpu), "process_cpu_s": round(cpu, 2),
+    "state_mb": round(params * 4 * 3 / 1e6, 1)}), flush=True)
