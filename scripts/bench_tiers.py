@@ -297,13 +297,13 @@ def _floors(prefix):
   """Seconds of each restore phase's floor, in this process, over the slot local copy `prefix` is in.
 
   map: the slot mapped and faulted in (as the restore maps it); crc32c:
-  google-crc32c over each tensor's bytes; memcpy_new: numpy copies of them
+  tfdp's CRC32C (tfdp.checkpoint.format.checksum) over each tensor's bytes; memcpy_new: numpy copies of them
   into memory never touched before (as TF's tensors of the restore are);
   memcpy_reused: the same into that memory again; read: the file read
   into that memory (no mapping).
   """
-  import google_crc32c  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from tfdp.checkpoint.format import checksum  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint.format import manifest as manifest_lib  # pylint: disable=g-import-not-at-top
   from tfdp.checkpoint.format import slot_file  # pylint: disable=g-import-not-at-top
   record = manifest_lib.read_manifest(prefix).slot
@@ -316,7 +316,7 @@ def _floors(prefix):
   parts = [view[e.offset:e.offset + e.size] for e in record.entries]
   t = time.perf_counter()
   for p in parts:
-    google_crc32c.value(p)
+    checksum.value(p)
   out["crc32c"] = time.perf_counter() - t
   t = time.perf_counter()
   copies = [np.copy(p) for p in parts]
@@ -526,7 +526,7 @@ def _restore_row(samples, **row):
 # channel's thread.
 _PHASES = ("held", "agree", "index", "before_restore", "map", "check", "views", "plan",
            "tensors", "assign", "per_worker", "send", "wait", "commit")
-_INNER_PHASES = ("allocate", "recv", "land_check")
+_INNER_PHASES = ("allocate", "recv", "land_check", "land_tail")
 
 
 def _timings(ws):
