@@ -232,10 +232,13 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) 
         raise ConnectionError("the sender stopped in the middle of the copy")
       pos += k
       check.landed(pos)
-  finally:
-    last = time.perf_counter()
-    check.landed(pos, final=True)
+  except BaseException:
+    check.landed(pos, final=True, abort=True)  # Nothing of a cut copy is kept: not checked.
     thread.join()
+    raise
+  last = time.perf_counter()
+  check.landed(pos, final=True)
+  thread.join()
   if times is not None:
     times.add("recv", waited)
     times.add("land_check", check.busy)
@@ -254,13 +257,13 @@ class _Landing:
     self._dst, self._digest = dst, digest
     self._numeric = sorted((e for e in entries if e.dtype != "string"), key=lambda e: e.offset)
     self._cond = threading.Condition()
-    self._landed, self._final = 0, False
+    self._landed, self._final, self._abort = 0, False, False
     self.error, self.busy = None, 0.0
 
-  def landed(self, pos: int, final: bool = False) -> None:
-    """The first `pos` bytes are in `dst` (`final`: no more will come)."""
+  def landed(self, pos: int, final: bool = False, abort: bool = False) -> None:
+    """The first `pos` bytes are in `dst` (`final`: no more will come; `abort`: stop checking)."""
     with self._cond:
-      self._landed, self._final = pos, final
+      self._landed, self._final, self._abort = pos, final, abort
       self._cond.notify()
 
   def run(self) -> None:
@@ -272,7 +275,7 @@ class _Landing:
           self._cond.wait()
         upto, final = self._landed, self._final
       start = time.perf_counter()
-      while at < upto:
+      while at < upto and not self._abort:
         end = min(upto, at + CHUNK)
         if self._digest is not None:
           self._digest(dst[at:end])
@@ -289,6 +292,8 @@ class _Landing:
           i, crc = i + 1, 0
         at = end
       self.busy += time.perf_counter() - start
+      if self._abort:
+        return
       if final and at == upto:
         if at == len(dst):
           for e in numeric[i:]:  # Empty ones at the very end.
