@@ -1,6 +1,5 @@
 """The tiers at restore: the newest state the workers can have, agreed, and a lost local copy recovered from peers."""
 
-from concurrent import futures
 import dataclasses
 import time
 
@@ -162,11 +161,10 @@ class TieredRestore:
   2. `choose` picks, the same on every worker: the newest local step held
      by all ("local"), or held by some and recoverable ("peer"), else the
      persistent tier;
-  3. after one all-reduce (each worker without the copy waits for it from
-     then on), the first holder sends each of them the copy (its record
-     and slot), and its neighbour its per-worker state, over the side
-     channel (tfdp.checkpoint.local.peers), while the holders restore their
-     own copy; that worker makes them its own local copy
+  3. the holders restore their own copy; after one all-reduce of their
+     outcome, the first holder sends each worker without one the copy
+     (its record and slot), and its neighbour its per-worker state, over the side channel
+     (tfdp.checkpoint.local.peers); that worker makes them its own local copy
      (`LocalTier.receive`) and restores it;
   4. one all-reduce of every worker's outcome: any failure (a damaged copy,
      a read error, a transfer cut short or timed out) moves every worker
@@ -245,41 +243,28 @@ class TieredRestore:
     return None
 
   def _attempt(self, choice, mine, before_restore, seconds):
-    """One choice, on every worker: (the agreed outcome, the workers where it failed).
-
-    In a peer recovery, once every receiver has registered what it waits
-    for (one all-reduce), a worker's sends run beside its restore of its own
-    copy. A holder's copy that fails its checks fails its restore, one
-    damaged on the way the receiver's: the agreement after it moves every
-    worker on together.
-    """
+    """One choice, on every worker: (the agreed outcome, the workers where it failed)."""
     self._received = None
-    if choice.kind != "peer":
-      return self._agree(self._restore(mine, before_restore) if mine is not None else OK)
-    link, n, me = self._tier.link, self._me.count, self._me.index
-    missing = [w for w in range(n) if w not in choice.holders]
-    waits = []
-    if me in missing:  # Registered before the agreement lets the senders send.
-      waits.append(link.expect(wire.COPY, choice.step, choice.holders[0]))
-      if choice.per_worker:
-        waits.append(link.expect(wire.PER_WORKER_COPY, choice.step, (me + 1) % n))
-    self._tier.mark_recovery(choice.step)
-    self._agree(OK)  # Every receiver waits for its messages from here on.
-    return self._agree(self._transfer(choice, mine, missing, waits, before_restore, seconds))
+    outcome = self._restore(mine, before_restore) if mine is not None else OK
+    if choice.kind == "peer":
+      link, n, me = self._tier.link, self._me.count, self._me.index
+      missing = [w for w in range(n) if w not in choice.holders]
+      waits = []
+      if me in missing:  # Registered before the agreement lets the senders send.
+        waits.append(link.expect(wire.COPY, choice.step, choice.holders[0]))
+        if choice.per_worker:
+          waits.append(link.expect(wire.PER_WORKER_COPY, choice.step, (me + 1) % n))
+      self._tier.mark_recovery(choice.step)
+      worst, failed = self._agree(outcome)
+      if worst != OK:
+        for key in waits:
+          link.forget(key)
+        return worst, failed
+      outcome = self._transfer(choice, mine, missing, waits, before_restore, seconds)
+    return self._agree(outcome)
 
   def _transfer(self, choice, mine, missing, waits, before_restore, seconds):
-    """This worker's sends, beside its restore of its own copy, or what it receives, restored; returns its outcome."""
-    with futures.ThreadPoolExecutor(1, thread_name_prefix="tfdp-peer-send") as pool:
-      sent = pool.submit(self._send, choice, mine, missing)
-      outcome = self._restore(mine, before_restore) if mine is not None else OK
-      if waits:
-        outcome = self._receive(choice, waits, before_restore, seconds)
-      if not sent.result() and outcome == OK:
-        outcome = FAILED
-    return outcome
-
-  def _send(self, choice, mine, missing):
-    """This worker's sends of a peer recovery: the copy (the first holder), the per-worker states it keeps."""
+    """Sends what others lack, or receives and restores it; returns this worker's outcome."""
     me, link, n, tier = self._me.index, self._tier.link, self._me.count, self._tier
     try:
       if me == choice.holders[0]:
@@ -291,16 +276,8 @@ class TieredRestore:
           if (w + 1) % n == me:
             header, blobs = tier.replicas.get(w, choice.step)
             link.send_state(w, choice.step, header["keys"], header["token"], blobs)
-      return True
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("tfdp: the peer recovery of step %d failed on this worker: %s",
-                      choice.step, e)
-      return False
-
-  def _receive(self, choice, waits, before_restore, seconds):
-    """Receives the copy (and this worker's per-worker state) and restores it; returns the outcome."""
-    link, tier = self._tier.link, self._tier
-    try:
+      if not waits:
+        return OK
       start = time.perf_counter()
       _, offered = link.wait(waits[0])
       own = None
@@ -396,4 +373,3 @@ class TieredRestore:
       logging.info("tfdp: restored step %d from the local tier; worker(s) %s got it "
                    "from worker %d.", choice.step,
                    sorted(set(range(me.count)) - set(choice.holders)), choice.holders[0])
-
