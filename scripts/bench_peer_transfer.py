@@ -1,4 +1,4 @@
-"""Peer recovery's transfer alone, beside a raw TCP transfer of the same bytes: two processes, no TensorFlow job.
+"""Peer recovery's transfer alone beside raw TCP of the same bytes: two processes, no TF job.
 
 What a holder and a receiver do between the agreement and the restore, through the real code:
 the holder fills a slot (tfdp.checkpoint.local.slots) and sends it (`Channel.send_file` after the
@@ -43,8 +43,8 @@ def _copy(directory: str, mb: int):
   entries, used = slot.fill(sources)
   slot.close()
   record = manifest_lib.FileRecord("ckpt.slot-0", used, entries=entries)
-  man = manifest_lib.Manifest(checkpoint_number=7, tier="local", step=7, prefix="ckpt-7", files=[record],
-                              total_bytes=used)
+  man = manifest_lib.Manifest(checkpoint_number=7, tier="local", step=7, prefix="ckpt-7",
+                              files=[record], total_bytes=used)
   return slot.path, man
 
 

@@ -297,7 +297,8 @@ def _floors(prefix):
   """Seconds of each restore phase's floor, in this process, over the slot local copy `prefix` is in.
 
   map: the slot mapped and faulted in (as the restore maps it); crc32c:
-  tfdp's CRC32C (tfdp.checkpoint.format.checksum) over each tensor's bytes; memcpy_new: numpy copies of them
+  tfdp's CRC32C (tfdp.checkpoint.format.checksum) over each tensor's bytes;
+  memcpy_new: numpy copies of them
   into memory never touched before (as TF's tensors of the restore are);
   memcpy_reused: the same into that memory again; read: the file read
   into that memory (no mapping).

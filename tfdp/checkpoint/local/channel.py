@@ -131,7 +131,8 @@ class Channel:
   blobs are followed by the MAC of (the sequence number, the blobs), which
   `end_frame` checks before the caller keeps anything of them. The
   receiver reads blobs through `recv_into` or `read_blobs`, which feed that
-  MAC, or `blob_reader` (a copy's bytes: another thread feeds it). The socket's other calls (settimeout, close, ...) pass through.
+  MAC, or through `blob_reader` (a copy's bytes: another thread feeds it).
+  The socket's other calls (settimeout, close, ...) pass through.
 
   Args:
     sock: the socket.

@@ -158,7 +158,8 @@ class Incoming:
   manifest: manifest_lib.Manifest
   slot: slots.Slot | None
   size: int
-  # `allocate`, `recv`, `land_check`, `land_tail` (on the side channel's threads): the restore adds them to its own.
+  # `allocate`, `recv`, `land_check`, `land_tail` (on the side channel's threads): the restore
+  # adds them to its own.
   times: phases_lib.PhaseTimes = dataclasses.field(default_factory=phases_lib.PhaseTimes)
 
   def receive(self, conn) -> None:
