@@ -27,6 +27,7 @@ from tests.tier_runs import replaced_host_job  # pylint: disable=unused-import
 from tfdp.checkpoint.local import channel
 from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.format import layout as layout_lib
+from tfdp.checkpoint.format import slot_file
 from tfdp.checkpoint.local import peers
 from tfdp.checkpoint.local import slots
 from tfdp.checkpoint.local import wire
@@ -402,3 +403,77 @@ def test_a_header_of_unterminated_escaped_quotes_is_refused_in_one_pass():
   assert time.perf_counter() - start < 2.0
   assert wire.parse_header(b'{"a": "[[{\\"}", "b": [1, {"c": 2}]}') == {"a": '[[{"}', "b": [1, {"c": 2}]}
 
+
+
+def _channels():
+  """Two ends of one connection (a socketpair), each a Channel under the other's keys."""
+  a, b = socket.socketpair()
+  keys = (b"k" * 32, b"q" * 32)
+  return (channel.Channel(a, send_key=keys[0], recv_key=keys[1]),
+          channel.Channel(b, send_key=keys[1], recv_key=keys[0]))
+
+
+class _AlteringSocket:
+  """The sender's real socket, whose sendfile alters the byte at `at` of the file on the wire."""
+
+  def __init__(self, sock, at):
+    self._sock, self._at = sock, at
+
+  def __getattr__(self, name):
+    return getattr(self._sock, name)
+
+  def sendfile(self, file, offset=0, count=None):
+    data = bytearray(os.pread(file.fileno(), count, offset))
+    if offset <= self._at < offset + len(data):
+      data[self._at - offset] ^= 0x10
+    self._sock.sendall(data)
+    return len(data)
+
+
+def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(tmp_path):
+  """A copy's bytes land in a slot while another thread checks them: its CRC32Cs and the frame's MAC.
+
+  A byte altered in a tensor is refused by its CRC32C; one altered between
+  two tensors (the alignment no CRC32C covers) by the MAC, fed every byte
+  by the checking thread; the bytes as sent land and pass both.
+  """
+  holder = slots.Slot(str(tmp_path / "holder" / "ckpt.slot-0"))
+  os.makedirs(os.path.dirname(holder.path))
+  values = {"a": np.arange(3, dtype=np.float32),  # 12 bytes, then a gap to the next 64.
+            "b": np.arange(3 << 20, dtype=np.float32)}  # 12 MB: several pieces of the check.
+  entries, used = holder.fill([slots.source(k, v) for k, v in values.items()])
+  gap = next(e.offset + e.size for e in entries if e.key == "a")
+  inside = next(e.offset for e in entries if e.key == "b") + (7 << 20) + 5
+  assert gap < next(e.offset for e in entries if e.key == "b")
+  layout = layout_lib.Layout(str(tmp_path / "receiver"), "ckpt")
+  os.makedirs(layout.directory)
+  man = {"prefix": "ckpt-7", "step": 7, "checkpoint_number": 7, "tier": "local",
+         "files": [{"name": "ckpt.slot-0", "size": used,
+                    "entries": [[e.key, e.dtype, e.shape, e.offset, e.size, e.crc32c]
+                                for e in entries]}]}
+  header = {"kind": wire.COPY, "step": 7, "from": 0, "manifest": json.dumps(man)}
+  for altered, refused in ((None, None), (inside, "crc"), (gap, "frame MAC")):
+    sender, receiver = _channels()
+    if altered is not None:
+      sender.sock = _AlteringSocket(sender.sock, altered)
+    thread = threading.Thread(target=lambda: sender.send_file(header, holder.path, used),
+                              daemon=True)
+    thread.start()
+    offer = copies.incoming(layout, slots.Slot(layout.slot(1)), 7,
+                            receiver.read_header()["manifest"], [used])
+    try:
+      if refused is None:
+        offer.receive(receiver)
+        receiver.end_frame()
+        got = slot_file.read(layout.slot(1), offer.manifest.slot.entries, used)
+        assert all(np.array_equal(got[k], v) for k, v in values.items())
+        assert set(offer.times.take()) >= {"recv", "land_check", "land_tail"}
+      else:
+        with pytest.raises(wire.Refused) as e:
+          offer.receive(receiver)
+          receiver.end_frame()
+        assert e.value.key == refused, e.value
+    finally:
+      receiver.close()  # A refused copy's sender may still be sending.
+      thread.join(timeout=10)
+      offer.slot.close()

@@ -14,6 +14,7 @@ takes it, is an object with `add(phase, seconds)`
 import mmap
 import os
 import struct
+import threading
 import time
 
 import numpy as np
@@ -193,43 +194,110 @@ def read(path: str, entries: list, size: int, checked: bool = False, times=None)
   return out
 
 
-def receive(recv_into, dst: np.ndarray, entries: list, times=None) -> None:
+def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) -> None:
   """Fills `dst` from a socket's `recv_into`, checking each tensor's CRC32C as its bytes land.
 
-  Fixed-size tensors are checked chunk by chunk, strings once they are whole.
-  `times` gets the seconds waited for bytes (`recv`) and the rest (`land_check`).
+  Two threads, one pass over the bytes: this one only receives; a checking
+  thread follows it over what has landed, a piece of at most CHUNK bytes
+  at a time while the piece is in the cache, extending each tensor's CRC32C
+  (and `digest`), so that the check of piece k runs while piece k+1
+  arrives (both release the GIL). Fixed-size tensors are checked as they
+  complete, strings once all is here. The first mismatch stops the
+  receiving. `times` gets the seconds waited for bytes (`recv`), the
+  checking thread's own seconds (`land_check`, overlapped with `recv`) and
+  those after the last byte until all is checked (`land_tail`).
+
+  Args:
+    recv_into: a socket's `recv_into` (the bytes as they come).
+    dst: where they land (a slot's first bytes).
+    entries: the copy's record's tensors (checked by `check_entries`).
+    times: a PhaseTimes, or None.
+    digest: `fn(bytes)`, fed every byte of `dst` in order on the checking
+      thread (the frame's MAC: tfdp.checkpoint.local.channel.Channel), or None.
 
   Raises:
     ConnectionError: the sender stopped before `dst` was full.
     ValueError: naming the first tensor whose bytes do not match.
   """
-  numeric = sorted((e for e in entries if e.dtype != "string"), key=lambda e: e.offset)
-  crcs, i, pos, waited = {}, 0, 0, 0.0
-  start = time.perf_counter()
-  while pos < len(dst):
-    t = time.perf_counter()
-    k = recv_into(dst[pos:pos + CHUNK])
-    waited += time.perf_counter() - t
-    if not k:
-      raise ConnectionError("the sender stopped in the middle of the copy")
-    end = pos + k
-    while i < len(numeric) and numeric[i].offset < end:
-      e = numeric[i]
-      a, b = max(pos, e.offset), min(end, e.offset + e.size)
-      if b > a:
-        crcs[e.key] = checksum.extend(crcs.get(e.key, 0), dst[a:b])
-      if e.offset + e.size > end:
-        break
-      if crcs.get(e.key, 0) != e.crc32c:
-        raise ValueError(f"tensor {e.key!r} does not match its CRC32C")
-      i += 1
-    pos = end
-  for e in numeric[i:]:  # Empty ones at the very end.
-    if e.crc32c != 0 or e.size:
-      raise ValueError(f"tensor {e.key!r} does not match its CRC32C")
+  check = _Landing(dst, entries, digest)
+  thread = threading.Thread(target=check.run, name="tfdp-land-check", daemon=True)
+  thread.start()
+  pos, waited = 0, 0.0
+  try:
+    while pos < len(dst) and check.error is None:
+      t = time.perf_counter()
+      k = recv_into(dst[pos:pos + CHUNK])
+      waited += time.perf_counter() - t
+      if not k:
+        raise ConnectionError("the sender stopped in the middle of the copy")
+      pos += k
+      check.landed(pos)
+  except BaseException:
+    check.landed(pos, final=True, abort=True)  # Nothing of a cut copy is kept: not checked.
+    thread.join()
+    raise
+  last = time.perf_counter()
+  check.landed(pos, final=True)
+  thread.join()
+  if times is not None:
+    times.add("recv", waited)
+    times.add("land_check", check.busy)
+    times.add("land_tail", time.perf_counter() - last)
+  if check.error is not None:
+    raise ValueError(check.error)
   for e in entries:
     if e.dtype == "string" and crc_of(e, dst[e.offset:e.offset + e.size]) != e.crc32c:
       raise ValueError(f"tensor {e.key!r} does not match its CRC32C")
-  if times is not None:
-    times.add("recv", waited)
-    times.add("land_check", time.perf_counter() - start - waited)
+
+
+class _Landing:
+  """The checking thread of `receive`: follows the bytes landed, CHUNK by CHUNK, as they come."""
+
+  def __init__(self, dst, entries, digest):
+    self._dst, self._digest = dst, digest
+    self._numeric = sorted((e for e in entries if e.dtype != "string"), key=lambda e: e.offset)
+    self._cond = threading.Condition()
+    self._landed, self._final, self._abort = 0, False, False
+    self.error, self.busy = None, 0.0
+
+  def landed(self, pos: int, final: bool = False, abort: bool = False) -> None:
+    """The first `pos` bytes are in `dst` (`final`: no more will come; `abort`: stop checking)."""
+    with self._cond:
+      self._landed, self._final, self._abort = pos, final, abort
+      self._cond.notify()
+
+  def run(self) -> None:
+    at, i, crc = 0, 0, 0
+    numeric, dst = self._numeric, self._dst
+    while True:
+      with self._cond:
+        while self._landed == at and not self._final:
+          self._cond.wait()
+        upto, final = self._landed, self._final
+      start = time.perf_counter()
+      while at < upto and not self._abort:
+        end = min(upto, at + CHUNK)
+        if self._digest is not None:
+          self._digest(dst[at:end])
+        while i < len(numeric) and numeric[i].offset < end:
+          e = numeric[i]
+          a, b = max(at, e.offset), min(end, e.offset + e.size)
+          if b > a:
+            crc = checksum.extend(crc, dst[a:b])
+          if e.offset + e.size > end:
+            break
+          if crc != e.crc32c:
+            self.error = f"tensor {e.key!r} does not match its CRC32C"
+            return
+          i, crc = i + 1, 0
+        at = end
+      self.busy += time.perf_counter() - start
+      if self._abort:
+        return
+      if final and at == upto:
+        if at == len(dst):
+          for e in numeric[i:]:  # Empty ones at the very end.
+            if e.crc32c != 0 or e.size:
+              self.error = f"tensor {e.key!r} does not match its CRC32C"
+              return
+        return

@@ -18,6 +18,7 @@ is evicted (oldest first) when they are full, and one worker holds a few.
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import socket
 import struct
@@ -38,7 +39,7 @@ ANSWER_BYTES = len(MAGIC) + _INDEX.size + _NONCE + _MAC  # client -> server
 # by then is dropped (a trickle of bytes holds no slot).
 HANDSHAKE_S = 3.0
 _TO_SERVER, _TO_CLIENT = b"client->server", b"server->client"
-_READ_CHUNK = 8 << 20  # A copy's file is read for its MAC this much at a time.
+_READ_CHUNK = 2 << 20  # A copy's file is read for its MAC this much at a time (stays in the cache).
 
 
 def _transcript(server: int, client: int, nonce_s: bytes, nonce_c: bytes) -> bytes:
@@ -130,7 +131,8 @@ class Channel:
   blobs are followed by the MAC of (the sequence number, the blobs), which
   `end_frame` checks before the caller keeps anything of them. The
   receiver reads blobs through `recv_into` or `read_blobs`, which feed that
-  MAC. The socket's other calls (settimeout, close, ...) pass through.
+  MAC, or through `blob_reader` (a copy's bytes: another thread feeds it).
+  The socket's other calls (settimeout, close, ...) pass through.
 
   Args:
     sock: the socket.
@@ -181,6 +183,11 @@ class Channel:
   def send_file(self, header: dict, path: str, size: int) -> None:
     """A frame whose one blob is the first `size` bytes of a file (sent by the kernel: sendfile).
 
+    The kernel sends the bytes in one sendfile call while a thread of its
+    own computes their MAC from the page cache (hashlib releases the GIL),
+    instead of each piece's MAC before its send. Bytes that changed between
+    the two reads fail the receiver's check of the MAC.
+
     Args:
       header: the header (its `sizes` are [size]).
       path: the file (a local copy's slot).
@@ -188,15 +195,18 @@ class Channel:
     """
     mac = self.start_frame(json.dumps(dict(header, sizes=[size])).encode())
     with open(path, "rb") as f:
-      at = 0
-      while at < size:  # The MAC reads the page cache; the bytes go by sendfile, chunk by chunk.
-        chunk = f.read(min(size - at, _READ_CHUNK))
-        if not chunk:
-          raise ConnectionError(f"{path} is shorter than {size} bytes")
-        mac.update(chunk)
-        if self.sock.sendfile(f, at, len(chunk)) != len(chunk):
-          raise ConnectionError(f"{path} is shorter than {size} bytes")
-        at += len(chunk)
+      hashing = _FileMac(f.fileno(), size, mac)
+      thread = threading.Thread(target=hashing.run, name="tfdp-send-mac", daemon=True)
+      thread.start()
+      try:
+        sent = self.sock.sendfile(f, 0, size) if size else 0
+      except BaseException:
+        hashing.stop = True
+        raise
+      finally:
+        thread.join()
+      if sent != size or hashing.short:
+        raise ConnectionError(f"{path} is shorter than {size} bytes")
     self.sock.sendall(mac.digest())
 
   def read_header(self) -> dict | None:
@@ -223,6 +233,15 @@ class Channel:
     if k:
       self._blob_mac.update(view[:k])
     return k
+
+  def blob_reader(self):
+    """(recv_into, authenticate) for the current frame's blobs, when another thread feeds the MAC.
+
+    `recv_into` is the socket's own; every byte it delivers must go to
+    `authenticate`, in order (tfdp.checkpoint.format.slot_file.receive feeds
+    it as it checks what landed). A byte left out fails `end_frame`.
+    """
+    return self.sock.recv_into, self._blob_mac.update
 
   def read_blobs(self, sizes) -> list[bytearray]:
     """The current frame's blobs, each growing as its bytes arrive (not yet authenticated: `end_frame`)."""
@@ -316,3 +335,25 @@ class Door:
       if worker is not None:
         self._authed[worker] -= 1
     self._free.release()
+
+
+class _FileMac:
+  """Feeds a MAC the first `size` bytes of a file (by pread, a piece at a time), on a thread of its own.
+
+  `short`: the file ended first. Setting `stop` ends it early (the send failed).
+  """
+
+  def __init__(self, fd: int, size: int, mac):
+    self._fd, self._size, self._mac = fd, size, mac
+    self.short, self.stop = False, False
+
+  def run(self) -> None:
+    buf = bytearray(min(self._size, _READ_CHUNK))
+    view, at = memoryview(buf), 0
+    while at < self._size and not self.stop:
+      n = os.preadv(self._fd, [view[:min(self._size - at, len(buf))]], at)
+      if n <= 0:
+        self.short = True
+        return
+      self._mac.update(view[:n])
+      at += n

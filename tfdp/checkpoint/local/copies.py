@@ -158,11 +158,16 @@ class Incoming:
   manifest: manifest_lib.Manifest
   slot: slots.Slot | None
   size: int
-  # `allocate`, `recv`, `land_check` (on the side channel's thread): the restore adds them to its own.
+  # `allocate`, `recv`, `land_check`, `land_tail` (on the side channel's threads): the restore
+  # adds them to its own.
   times: phases_lib.PhaseTimes = dataclasses.field(default_factory=phases_lib.PhaseTimes)
 
   def receive(self, conn) -> None:
     """Receives the copy's bytes from `conn` into the slot, checking each tensor's CRC32C as it lands.
+
+    Args:
+      conn: the side channel's Channel (its frame's MAC is fed where the
+        CRC32Cs are checked, off the receiving thread), or a plain socket.
 
     Raises:
       ConnectionError: the sender stopped in the middle.
@@ -170,8 +175,10 @@ class Incoming:
     """
     with self.times.timed("allocate"):
       dst = self.slot.writable(self.size)
+    reader = getattr(conn, "blob_reader", None)
+    recv_into, digest = reader() if reader is not None else (conn.recv_into, None)
     try:
-      slot_file.receive(conn.recv_into, dst, self.manifest.slot.entries, self.times)
+      slot_file.receive(recv_into, dst, self.manifest.slot.entries, self.times, digest)
     except ValueError as e:
       raise wire.Refused(f"a copy whose bytes do not match its record: {e}", "crc") from None
 
