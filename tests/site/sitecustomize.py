@@ -22,9 +22,9 @@ Keras's own `import pandas` in that first import finds no pandas, as in a
 user's environment without it: tfdp does not use pandas, which is installed
 here only because the test extra's `ray[train]` needs it, and Keras imports
 it only to take DataFrames, which nothing in tfdp or the tests passes. Each
-TensorFlow process then skips importing pandas and pyarrow: 2.65 against
-3.01 CPU-s for importing TF, Keras and tfdp (the mean of 6 runs each,
-2026-12-07, on a busy host). A process that imported pandas before (Ray's
+TensorFlow process then skips importing pandas and pyarrow: 1.90 against
+2.16 CPU-s for importing TF, Keras and tfdp (the mean of 8 runs each,
+2026-12-07; 2.65 against 3.01 on a busier host). A process that imported pandas before (Ray's
 workers), and any import of it by another module or later, gets it as usual.
 
 TFDP_TEST_PLAIN_GC=1 leaves the collector and Keras's pandas alone;
