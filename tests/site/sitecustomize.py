@@ -1,4 +1,4 @@
-"""Start-up of every Python process the tests start: TensorFlow and Keras imported with the collector paused, then frozen.
+"""Start-up of every Python process the tests start: TensorFlow and Keras imported with the collector paused, then frozen, without Keras's optional pandas.
 
 tests/conftest.py puts this folder first on PYTHONPATH, so Python's `site`
 imports this module in every process the test session starts (workers,
@@ -24,8 +24,9 @@ here only because the test extra's `ray[train]` needs it, and Keras imports
 it only to take DataFrames, which nothing in tfdp or the tests passes. Each
 TensorFlow process then skips importing pandas and pyarrow: 1.90 against
 2.16 CPU-s for importing TF, Keras and tfdp (the mean of 8 runs each,
-2026-12-07; 2.65 against 3.01 on a busier host). A process that imported pandas before (Ray's
-workers), and any import of it by another module or later, gets it as usual.
+2026-12-07; 2.65 against 3.01 on a busier host). A process that imported
+pandas before (Ray's workers), and any import of it by another module or
+later, gets it as usual.
 
 TFDP_TEST_PLAIN_GC=1 leaves the collector and Keras's pandas alone;
 TFDP_TEST_KERAS_PANDAS=1 the latter alone. tests/test_user_path.py's
