@@ -1,4 +1,4 @@
-"""Start-up of every Python process the tests start: TensorFlow and Keras imported with the collector paused, then frozen.
+"""Start-up of every Python process the tests start: TensorFlow and Keras imported with the collector paused, then frozen, without Keras's optional pandas.
 
 tests/conftest.py puts this folder first on PYTHONPATH, so Python's `site`
 imports this module in every process the test session starts (workers,
@@ -18,7 +18,18 @@ CPU-s (of about 6), in a matrix_worker.py process of 17 fits from 2.09 to
 and tfdp took 2.38 CPU-s against 2.86 (the mean of 6 runs each). The
 collector runs as usual afterwards, over the objects made since.
 
-TFDP_TEST_PLAIN_GC=1 leaves the collector alone; tests/test_user_path.py's
+Keras's own `import pandas` in that first import finds no pandas, as in a
+user's environment without it: tfdp does not use pandas, which is installed
+here only because the test extra's `ray[train]` needs it, and Keras imports
+it only to take DataFrames, which nothing in tfdp or the tests passes. Each
+TensorFlow process then skips importing pandas and pyarrow: 1.90 against
+2.16 CPU-s for importing TF, Keras and tfdp (the mean of 8 runs each,
+2026-12-07; 2.65 against 3.01 on a busier host). A process that imported
+pandas before (Ray's workers), and any import of it by another module or
+later, gets it as usual.
+
+TFDP_TEST_PLAIN_GC=1 leaves the collector and Keras's pandas alone;
+TFDP_TEST_KERAS_PANDAS=1 the latter alone. tests/test_user_path.py's
 processes do not have this folder on their path.
 """
 
@@ -29,9 +40,14 @@ import sys
 
 _HEAVY = frozenset({"tensorflow", "keras", "tfdp"})
 _import = builtins.__import__
+_KERAS_PANDAS = bool(os.environ.get("TFDP_TEST_KERAS_PANDAS"))
 
 
 def _import_paused(name, globals=None, locals=None, fromlist=(), level=0):  # pylint: disable=redefined-builtin
+  if name == "pandas" and not level and not _KERAS_PANDAS and "pandas" not in sys.modules:
+    importer = sys._getframe(1).f_globals.get("__name__", "")  # pylint: disable=protected-access
+    if importer.partition(".")[0] == "keras":  # its pandas is optional: `except ImportError`
+      raise ModuleNotFoundError("No module named 'pandas' (for Keras, in the tests)", name="pandas")
   if level or name.partition(".")[0] not in _HEAVY or not gc.isenabled():
     return _import(name, globals, locals, fromlist, level)
   gc.disable()
