@@ -12,7 +12,11 @@ VARIANT:
   async50        async persistent saves every 50 steps (save_freq=50);
   every1_nowrite every step, the local writer replaced by nothing (what the
                  training thread pays alone);
-  every1_nocrc   every step without the CRC32C (what the checksum costs).
+  every1_nocrc   every step without the CRC32C (what the checksum costs);
+  floor1         the callback never saving, and at every step a thread
+                 copies and checksums a buffer of the state's size: the
+                 floor of any local save every step on this machine (its
+                 copy and CRC32C on the other core, nothing of tfdp's).
 CORES: free (training in one thread: intra- and inter-op threads 1, a core
   left free as on a GPU host) or busy (TF's defaults: both cores train).
 ROOT: where the backup goes (default /tmp/b45); the local tier goes to its
@@ -27,6 +31,7 @@ interleaved rounds; this script is its breakdown.
 import json
 import os
 import sys
+import threading
 import time
 
 variant, cores, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -83,7 +88,7 @@ with strategy.scope():  # 1.41M parameters: 16.9 MB with Adam's two slots.
                             keras.layers.Dense(856, activation="relu"), keras.layers.Dense(10)])
   model.compile(optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-every = {"never": None, "every5": 5, "auto": "auto", "async50": None}.get(variant, 1)
+every = {"never": None, "every5": 5, "auto": "auto", "async50": None, "floor1": None}.get(variant, 1)
 kw = dict(save_freq=50, async_save=True) if variant == "async50" else dict(save_freq=False)
 if every is not None:
   kw.update(local_checkpoint_every_steps=every)
@@ -91,10 +96,31 @@ cb = tfdp.callbacks.BackupAndRestore(os.path.join(root, "backup"), **kw)
 stamps = []
 
 
+due = threading.Semaphore(0)
+
+
+def floor_writer():
+  from tfdp.checkpoint.format import checksum  # pylint: disable=g-import-not-at-top
+  src = np.ones(sum(int(np.prod(v.shape)) for v in model.weights) * 3, np.float32)
+  dst = np.empty_like(src)
+  while True:
+    due.acquire()
+    start = time.thread_time()
+    np.copyto(dst, src)
+    checksum.value(dst)
+    writer_cpu.append(time.thread_time() - start)
+
+
+if variant == "floor1":
+  threading.Thread(target=floor_writer, daemon=True).start()
+
+
 class Stamp(keras.callbacks.Callback):
 
   def on_train_batch_end(self, batch, logs=None):
     stamps.append(time.perf_counter())
+    if variant == "floor1":
+      due.release()
 
 
 t0 = time.process_time()

@@ -300,8 +300,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Saves at `step` (every worker) when `cadence` says so; at a batch's end, locally too when due."""
     due = cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=advance, **when)
     if due or advance:  # One call for both tiers, from one snapshot.
-      self.manager.save_at_step(step, persistent=due, local=advance, metrics=self._metrics,
-                                blocked=self._blocked, before=self.position.sync)
+      with self.position.saving(step) as before:
+        self.manager.save_at_step(step, persistent=due, local=advance, metrics=self._metrics,
+                                  blocked=self._blocked, before=before)
 
   def _blocked(self, seconds, tier):
     """Goodput's: the time a save of `tier` blocked training (with a local save, the interval now)."""
@@ -351,8 +352,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
   def on_train_batch_end(self, batch, logs=None):
     step = state_lib.global_step(self.model)
-    # The step is done: counted before its saves, so a crash inside one
-    # counts it as reached (and recomputed after the restart).
+    # Counted before its saves: a crash inside one counts it as reached (recomputed after).
     self._goodput.step(step)
     self.position.batch_end(step)
     self._save_if(self._cadence, step, advance=True)

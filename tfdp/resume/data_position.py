@@ -69,7 +69,8 @@ class DataPosition(trackable_base.Trackable):
       if it is not None:
         made = it._index - 1  # pylint: disable=protected-access
         try:
-          step = state_lib.global_step(cb.model)
+          step = cb.position.saving_step
+          step = state_lib.global_step(cb.model) if step is None else step
           base = self._base_for(it, step)
           state, kind, skip = base.state, "iterator", step - base.step
         except errors.CheckpointError as e:

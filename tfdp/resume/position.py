@@ -4,6 +4,7 @@ The data position itself is tfdp.resume.data_position's; the save cadence
 is tfdp.checkpoint.schedule.policy's.
 """
 
+import contextlib
 import dataclasses
 
 from absl import logging
@@ -116,6 +117,7 @@ class Position:
     # unknown); `sync` puts them into `step_in_epoch` before a save.
     self.in_epoch = None
     self._synced = None  # What `step_in_epoch` holds (None: unknown to Python).
+    self.saving_step = None  # The global step of the save being taken (None: none is).
     self.metrics_pending = False  # The restored epoch's metrics so far wait for its begin.
 
   def per_worker(self) -> dict:
@@ -173,11 +175,20 @@ class Position:
     """A step ended: its place in the epoch, kept in Python (no TF op at a step that saves nothing)."""
     self.in_epoch = step - self.epoch_first_step
 
-  def sync(self) -> None:
-    """Before a save is taken: the step within the epoch into its variable, when it changed."""
+  def sync(self, step: int | None = None) -> None:
+    """Before a save of global step `step` is taken: the step within the epoch into its variable, when it changed."""
+    self.saving_step = step
     if self.in_epoch is not None and self.in_epoch != self._synced:
       _set(self.step_in_epoch, self.in_epoch)
       self._synced = self.in_epoch
+
+  @contextlib.contextmanager
+  def saving(self, step: int):
+    """While the callback saves global step `step`: gives the `before` the tiers run (`sync`)."""
+    try:
+      yield lambda: self.sync(step)
+    finally:
+      self.saving_step = None
 
   def epoch_end(self, epoch: int) -> None:
     self.epoch.assign(epoch + 1)

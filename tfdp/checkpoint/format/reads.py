@@ -100,6 +100,7 @@ class CachedGather:
     self._keys = None
     self._states = None
     self._objects = None
+    self._texts = {}  # key -> (a Python state's last text, its tensor)
 
   def _trace(self):
     keys = []
@@ -128,10 +129,17 @@ class CachedGather:
     out = [Item(key, spec, value, size)
            for (key, spec, size), value in zip(self._keys, self._fn())]
     if self._states:
-      out += [Item(key, "", tf.constant(obj.serialize(), tf.string), None)
+      out += [Item(key, "", self._state_tensor(key, obj.serialize()), None)
               for key, obj in self._states]
       out.sort(key=lambda it: (it.key, it.slice_spec))
     return out
+
+  def _state_tensor(self, key, text):
+    """A Python state's text as a tensor: the last one's again while the text is the same."""
+    last = self._texts.get(key)
+    if last is None or last[0] != text:
+      last = self._texts[key] = (text, tf.constant(text, tf.string))
+    return last[1]
 
   def check(self) -> None:
     """Retraces at the next call when the checkpoint's objects are no longer those of the trace."""
