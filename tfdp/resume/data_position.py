@@ -6,6 +6,7 @@ tfdp.resume.train_state, and tfdp.data may import neither.
 """
 
 import dataclasses
+import functools
 import time
 import weakref
 
@@ -25,6 +26,13 @@ from tfdp.resume import train_state as state_lib
 # would pay for it, and at most every REPLAY_MAX_STEPS steps.
 CAPTURE_BUDGET = 0.01
 REPLAY_MAX_STEPS = 2000
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value, dtype=None) -> tf.Tensor:
+  """A constant tensor, made once: what a save holds that rarely changes (at every save)."""
+  with tf.init_scope():
+    return tf.constant(value, dtype)
 
 
 @dataclasses.dataclass
@@ -61,7 +69,7 @@ class DataPosition(trackable_base.Trackable):
   def _serialize_to_tensors(self):
     cb = self._callback
     run = fit_hooks.current(cb.model) if cb.model is not None else None
-    state, made, kind, skip = tf.constant(b""), 0, "none", 0
+    state, made, kind, skip = _constant(b""), 0, "none", 0
     if run is not None and run.dataset is not None:
       at_epoch_end = cb.position.in_epoch == 0
       it = run.next_iterator(at_epoch_end=at_epoch_end)
@@ -79,8 +87,8 @@ class DataPosition(trackable_base.Trackable):
             self._warned = True
             logging.warning("tfdp: backups will not hold the data position: %s", e)
     self.kind = kind
-    return {"state": state, "made": tf.constant(made, tf.int64),
-            "kind": tf.constant(kind), "skip": tf.constant(skip, tf.int64)}
+    return {"state": state, "made": _constant(made, tf.int64), "kind": _constant(kind),
+            "skip": tf.constant(skip, tf.int64)}
 
   def _base_for(self, it, step: int) -> _Base:
     """The whole state to save this position against: the last one taken, or a new one when due."""
