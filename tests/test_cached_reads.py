@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import tfdp
 from tfdp.checkpoint.format import reads
 from tfdp.checkpoint.local.options import LocalOptions
 from tfdp.checkpoint.manager import CheckpointManager
@@ -92,7 +93,9 @@ def test_the_cached_reads_name_and_read_what_a_full_read_does():
 
 
 def test_the_global_step_is_the_optimizers_iterations_under_a_strategy():
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  # tfdp's strategy: its collectives have keys of their own (a second plain
+  # MirroredStrategy in the session would reuse the instance keys of another).
+  strategy = tfdp.make_strategy(cpu_replicas=2)
   with strategy.scope():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
