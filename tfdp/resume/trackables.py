@@ -42,6 +42,7 @@ class CallbackStates(trackable_base.Trackable):
     self._backup = backup
     self._held = False
     self.restored = None  # (JSON, arrays) of the last restore, until applied.
+    self._last = None  # ((JSON, arrays), their tensors) of the last save.
 
   @property
   def tfdp_required(self) -> bool:
@@ -51,7 +52,10 @@ class CallbackStates(trackable_base.Trackable):
   def _serialize_to_tensors(self):
     text, blob = callback_state.capture(run_callbacks(self._backup))
     self._held = b'"callbacks": {}' not in text
-    return {"state": tf.constant(text), "arrays": tf.constant(blob)}
+    if self._last is None or self._last[0] != (text, blob):
+      # Callbacks' state changes at epochs' ends: the tensors of an unchanged one are made once.
+      self._last = ((text, blob), {"state": tf.constant(text), "arrays": tf.constant(blob)})
+    return dict(self._last[1])
 
   def _restore_from_tensors(self, restored_tensors):
     self.restored = (restored_tensors["state"].numpy(), restored_tensors["arrays"].numpy())
@@ -122,7 +126,9 @@ class MetricStates(trackable_base.Trackable):
     ids = tuple(map(id, parts.values()))
     if self._read is None or self._read[0] != ids:
       listed = list(parts.values())
-      self._read = (ids, tf.function(lambda: [p.read_value() for p in listed], autograph=False),
+      read = tf.function(lambda: [p.read_value() for p in listed], autograph=False)
+      # The concrete function: called as is, without the dispatch on arguments (~0.3 ms).
+      self._read = (ids, read.get_concrete_function() if listed else None,
                     listed)  # Holds the parts: their ids stay theirs.
     return [t.numpy() for t in self._read[1]()] if parts else []
 
