@@ -1,6 +1,6 @@
 """Where a saving step's time goes: the issue-45 user script, one variant per process, one JSON line.
 
-    python scripts/bench_step_cost.py VARIANT CORES STEPS [ROOT]
+    python scripts/bench_step_cost.py VARIANT CORES STEPS [ROOT] [--paired=B]
 
 A user's plain script: `MirroredStrategy` over 2 logical CPUs, a 1.41M-
 parameter MLP with Adam (16.9 MB of state), `shuffle(2048)`, `model.fit`
@@ -24,7 +24,17 @@ ROOT: where the backup goes (default /tmp/b45); the local tier goes to its
 
 Prints steps/s after step 100; the callback's wall and CPU milliseconds per
 step on the training thread (its `on_train_batch_end`, saves included); the
-local writer thread's CPU per save; the process's CPU seconds.
+local writer thread's CPU per save; the median step's time inside `fit`'s
+train function (`train_fn_ms`: what the writer's work beside it slows); the
+process's CPU seconds.
+
+--paired=B (local variants): after step 100, the same process alternates
+blocks of B steps with the local saves off (the callback never saving, its
+`LocalTier.due` answering no) and on. `paired_ratio` is the median over the
+pairs of (the off block's time / the on block's): the ratio to never saving
+without the spread between processes (one variant's separate runs differ by
+up to 25% here), as a block and the next share the process, its memory and
+the machine's state of the moment.
 `scripts/bench_tiers.py --parts=throughput` runs the same comparison as
 interleaved rounds; this script is its breakdown.
 """
@@ -34,8 +44,11 @@ import sys
 import threading
 import time
 
-variant, cores, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-root = os.path.join(sys.argv[4] if len(sys.argv) > 4 else "/tmp/b45", f"{variant}-{os.getpid()}")
+paired = [int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--paired=")]
+argv = [a for a in sys.argv if not a.startswith("--paired=")]
+paired = paired[0] if paired else None
+variant, cores, steps = argv[1], argv[2], int(argv[3])
+root = os.path.join(argv[4] if len(argv) > 4 else "/tmp/b45", f"{variant}-{os.getpid()}")
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
 if cores == "free":
@@ -65,6 +78,19 @@ def timed_write(self, *a, **k):
 
 
 tier_lib.LocalTier._write = timed_write  # pylint: disable=protected-access
+real_due = tier_lib.LocalTier.due
+stamps = []
+
+
+def paired_due(self, step):
+  """With --paired: no local save in the off blocks (even blocks after step 100)."""
+  done = len(stamps)
+  if paired and done >= 100 and ((done - 100) // paired) % 2 == 0:
+    return False
+  return real_due(self, step)
+
+
+tier_lib.LocalTier.due = paired_due
 spent = [0.0, 0.0]
 real_end = backup_lib.BackupAndRestore.on_train_batch_end
 
@@ -93,7 +119,6 @@ kw = dict(save_freq=50, async_save=True) if variant == "async50" else dict(save_
 if every is not None:
   kw.update(local_checkpoint_every_steps=every)
 cb = tfdp.callbacks.BackupAndRestore(os.path.join(root, "backup"), **kw)
-stamps = []
 
 
 due = threading.Semaphore(0)
@@ -115,7 +140,13 @@ if variant == "floor1":
   threading.Thread(target=floor_writer, daemon=True).start()
 
 
+begins = []
+
+
 class Stamp(keras.callbacks.Callback):
+
+  def on_train_batch_begin(self, batch, logs=None):
+    begins.append(time.perf_counter())
 
   def on_train_batch_end(self, batch, logs=None):
     stamps.append(time.perf_counter())
@@ -128,10 +159,18 @@ model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[cb, Stamp()
 cpu = time.process_time() - t0
 st = stamps[100:]
 params = sum(int(np.prod(v.shape)) for v in model.weights)
+ratios = []
+if paired:  # Block k covers the steps ending at stamps[100 + k*B .. 100 + (k+1)*B].
+  ends = stamps[100::paired]
+  blocks = [b - a for a, b in zip(ends, ends[1:])]
+  ratios = [off / on for off, on in zip(blocks[0::2], blocks[1::2])]
 print(json.dumps({
     "variant": variant, "cores": cores, "steps_per_s": round((len(st) - 1) / (st[-1] - st[0]), 2),
     "callback_ms_per_step": round(1000 * spent[0] / len(stamps), 3),
     "callback_cpu_ms_per_step": round(1000 * spent[1] / len(stamps), 3),
     "writer_cpu_ms_per_save": round(1000 * float(np.median(writer_cpu)), 2) if writer_cpu else None,
+    "train_fn_ms": round(1000 * float(np.median(np.subtract(stamps[100:], begins[100:]))), 2),
+    "paired_ratio": round(float(np.median(ratios)), 4) if ratios else None,
+    "pairs": len(ratios),
     "saves_written": len(writer_cpu), "process_cpu_s": round(cpu, 2),
     "state_mb": round(params * 4 * 3 / 1e6, 1)}), flush=True)
