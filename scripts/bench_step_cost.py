@@ -28,15 +28,14 @@ local writer thread's CPU per save; the median step's time inside `fit`'s
 train function (`train_fn_ms`: what the writer's work beside it slows); the
 process's CPU seconds.
 
---paired=B (local variants): after step 100, the same process alternates
-blocks of B steps with the local saves off (the callback never saving, its
-`LocalTier.due` answering no) and on. `paired_ratio` is the median over the
-pairs of (the off block's time / the on block's): the ratio to never saving
-without the spread between processes (one variant's separate runs differ by
-up to 25% here), as a block and the next share the process, its memory and
-the machine's state of the moment.
-`scripts/bench_tiers.py --parts=throughput` runs the same comparison as
-interleaved rounds; this script is its breakdown.
+--paired=B (local variants and floor1): after step 100, the same process
+alternates blocks of B steps with the local saves (or the floor's copy)
+off (the callback never saving, its `LocalTier.due` answering no) and on.
+`paired_ratio` is the median over the pairs of (the off block's time / the
+on block's): the ratio to never saving without the spread between
+processes (one variant's separate runs differ by up to 25% here), as a
+block and the next share the process, its memory and the machine's state
+of the moment.
 """
 import json
 import os
@@ -82,12 +81,15 @@ real_due = tier_lib.LocalTier.due
 stamps = []
 
 
-def paired_due(self, step):
-  """With --paired: no local save in the off blocks (even blocks after step 100)."""
+def off_block() -> bool:
+  """With --paired: whether the step now is in an off block (the even blocks after step 100)."""
   done = len(stamps)
-  if paired and done >= 100 and ((done - 100) // paired) % 2 == 0:
-    return False
-  return real_due(self, step)
+  return bool(paired) and done >= 100 and ((done - 100) // paired) % 2 == 0
+
+
+def paired_due(self, step):
+  """No local save in an off block."""
+  return not off_block() and real_due(self, step)
 
 
 tier_lib.LocalTier.due = paired_due
@@ -150,7 +152,7 @@ class Stamp(keras.callbacks.Callback):
 
   def on_train_batch_end(self, batch, logs=None):
     stamps.append(time.perf_counter())
-    if variant == "floor1":
+    if variant == "floor1" and not off_block():
       due.release()
 
 
