@@ -175,18 +175,18 @@ class Position:
     """A step ended: its place in the epoch, kept in Python (no TF op at a step that saves nothing)."""
     self.in_epoch = step - self.epoch_first_step
 
-  def sync(self, step: int | None = None) -> None:
-    """Before a save of global step `step` is taken: the step within the epoch into its variable, when it changed."""
-    self.saving_step = step
+  def sync(self) -> None:
+    """Before a save is taken: the step within the epoch into its variable, when it changed."""
     if self.in_epoch is not None and self.in_epoch != self._synced:
       _set(self.step_in_epoch, self.in_epoch)
       self._synced = self.in_epoch
 
   @contextlib.contextmanager
   def saving(self, step: int):
-    """While the callback saves global step `step`: gives the `before` the tiers run (`sync`)."""
+    """While the callback may save global step `step` (the data position's step): gives the `before` the tiers run (`sync`)."""
+    self.saving_step = step
     try:
-      yield lambda: self.sync(step)
+      yield self.sync
     finally:
       self.saving_step = None
 
