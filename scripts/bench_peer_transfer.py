@@ -6,8 +6,9 @@ handshake); the receiver checks the offer (`copies.incoming`), receives the byte
 of its own (`Incoming.receive`: allocate, recv, check as they land) and checks the frame's MAC
 (`end_frame`). Beside it, in the same run and interleaved, a raw TCP transfer of the same bytes into
 a fresh buffer (scripts/bench_tiers.py's floor), and the floor of any transfer that authenticates
-every byte as the side channel does: raw TCP with HMAC-SHA256 over the bytes at both ends, each on
-a thread beside the sending or receiving one (`raw_mac`). Seconds are the receiver's, from the first byte of
+every byte as the side channel does: raw TCP with the side channel's MAC of a frame's blobs
+(tfdp.checkpoint.local.channel.blobs_mac) over the bytes at both ends, each on a thread beside the
+sending or receiving one (`raw_mac`). Seconds are the receiver's, from the first byte of
 the offer's header to the copy checked in its slot, and the CPU seconds of both processes (what a
 loaded machine's wall time hides); fastest and median of --reps.
 
@@ -15,8 +16,6 @@ loaded machine's wall time hides); fastest and median of --reps.
 """
 
 import argparse
-import hashlib
-import hmac
 import multiprocessing
 import os
 import shutil
@@ -36,6 +35,7 @@ from tfdp.checkpoint.local import slots
 from tfdp.checkpoint.local import wire
 
 _SECRET = b"bench-secret" * 4
+_BLOBS_KEY = channel_lib.blobs_key(_SECRET)
 _VAR_MB = 16
 
 
@@ -53,12 +53,19 @@ def _copy(directory: str, mb: int):
   return slot.path, man
 
 
+def _mac_of(data) -> bytes:
+  """The side channel's MAC of a frame whose one blob is `data`."""
+  mac = channel_lib.blobs_mac(_BLOBS_KEY, 0)
+  mac.update(data)
+  return mac.digest()
+
+
 def _holder(port, path, man_json, size, kind, cpu):
   sock = socket.create_connection(("localhost", port))
   start = time.process_time()
   if kind in ("raw", "raw_mac"):
     data = np.ones(size, np.uint8)
-    mac = threading.Thread(target=lambda: hmac.new(_SECRET, memoryview(data), hashlib.sha256))
+    mac = threading.Thread(target=_mac_of, args=(memoryview(data),))
     if kind == "raw_mac":
       mac.start()
     sock.sendall(memoryview(data))
@@ -79,7 +86,7 @@ def _receive(server, directory, size, kind):
     buf = bytearray(size)
     view, got = memoryview(buf), 0
     landed = threading.Condition()
-    mac = hmac.new(_SECRET, digestmod=hashlib.sha256)
+    mac = channel_lib.blobs_mac(_BLOBS_KEY, 0)
 
     def follow():  # MACs what has landed, 2 MB at a time, as the side channel's checker does.
       done = 0
@@ -157,7 +164,7 @@ def main():
             f"least {min(cpu):.3f}, median {statistics.median(cpu):.3f}")
     fastest = {kind: min(r[0] for r in rows) for kind, rows in results.items()}
     print(f"peer transfer / raw TCP, fastest of each: {fastest['peer'] / fastest['raw']:.2f}x; "
-          f"raw TCP with HMAC-SHA256 at both ends / raw TCP: "
+          f"raw TCP with the blobs' MAC at both ends / raw TCP: "
           f"{fastest['raw_mac'] / fastest['raw']:.2f}x; peer / that floor: "
           f"{fastest['peer'] / fastest['raw_mac']:.2f}x; load average {os.getloadavg()}")
   finally:

@@ -477,3 +477,43 @@ def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(t
       receiver.close()  # A refused copy's sender may still be sending.
       thread.join(timeout=10)
       offer.slot.close()
+
+
+def test_a_frames_blobs_pass_only_under_their_directions_derived_key_and_its_construction():
+  """The blobs' MAC is keyed BLAKE3 under a key derived for the blobs of that direction.
+
+  A frame whose blobs carry the old HMAC-SHA256 of (sequence number,
+  blobs) under the direction's key, the right construction under the other
+  direction's key, under the direction's own (header) key, or under another
+  sequence number is refused; the right one passes.
+  """
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import hmac  # pylint: disable=g-import-not-at-top
+  keys = (b"k" * 32, b"q" * 32)  # As _channels: the first end sends under keys[0].
+  blob = os.urandom(5000)
+
+  def tag(mac):
+    mac.update(blob)
+    return mac.digest()
+
+  tags = {"right": tag(channel.blobs_mac(channel.blobs_key(keys[0]), 0)),
+          "old HMAC-SHA256": tag(hmac.new(keys[0], b"blobs" + wire.LENGTH.pack(0), hashlib.sha256)),
+          "other direction": tag(channel.blobs_mac(channel.blobs_key(keys[1]), 0)),
+          "header key": tag(channel.blobs_mac(keys[0], 0)),
+          "another frame": tag(channel.blobs_mac(channel.blobs_key(keys[0]), 1))}
+  assert len(set(tags.values())) == len(tags)
+  for name, mac in tags.items():
+    sender, receiver = _channels()
+    try:
+      sender.start_frame(json.dumps({"kind": wire.DONE, "sizes": [len(blob)]}).encode())
+      sender.sendall(blob + mac)
+      sizes = receiver.read_header()["sizes"]
+      assert bytes(receiver.read_blobs(sizes)[0]) == blob
+      if name == "right":
+        receiver.end_frame()
+      else:
+        with pytest.raises(wire.Refused) as e:
+          receiver.end_frame()
+        assert e.value.key == "frame MAC", name
+    finally:
+      sender.close(), receiver.close()
