@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-MAGIC = b"tfdp-peer-v2"  # As tfdp.checkpoint.local.wire; copied: this process imports no tfdp.
+MAGIC = b"tfdp-peer-v3"  # As tfdp.checkpoint.local.wire; copied: this process imports no tfdp.
 
 
 def _frame(header, blobs=()):

@@ -42,7 +42,7 @@ import blake3
 
 from tfdp.checkpoint.local import wire
 
-MAGIC = b"tfdp-peer-v2"
+MAGIC = b"tfdp-peer-v3"  # v3: a frame's blobs are MAC'd with keyed BLAKE3 (v2: HMAC-SHA256).
 _NONCE = 32
 _MAC = hashlib.sha256().digest_size
 BLOBS_MAC = blake3.blake3.digest_size  # The trailer after a frame's blobs.
