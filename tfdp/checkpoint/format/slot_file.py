@@ -11,6 +11,7 @@ takes it, is an object with `add(phase, seconds)`
 (tfdp.checkpoint.local.phases.PhaseTimes) its phases' seconds are added to.
 """
 
+import ctypes
 import mmap
 import os
 import struct
@@ -194,6 +195,38 @@ def read(path: str, entries: list, size: int, checked: bool = False, times=None)
   return out
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without touching their bytes.
+_libc = ctypes.CDLL(None, use_errno=True)  # Its calls release the GIL.
+
+
+class _Prefault:
+  """Faults a fresh slot's pages in on a thread of its own, ahead of the bytes being received into it.
+
+  A fresh slot's pages (tmpfs) are allocated and zeroed by the kernel at
+  their first write; in `receive` that write is the receiving thread's
+  `recv_into`, which then pays for both. MADV_POPULATE_WRITE does the same
+  fault without writing a byte, so this thread can run anywhere in the slot
+  beside the receiving one (behind it or ahead) and change nothing it holds.
+  Where the kernel lacks it, it stops at once and the receiving thread
+  faults the pages itself, as before.
+  """
+
+  def __init__(self, dst: np.ndarray):
+    self._addr, self._size = dst.ctypes.data, dst.nbytes
+    self.stop = False
+
+  def run(self) -> None:
+    if self._addr % mmap.PAGESIZE:
+      return
+    at = 0
+    while at < self._size and not self.stop:
+      n = min(8 * CHUNK, self._size - at)
+      if _libc.madvise(ctypes.c_void_p(self._addr + at), ctypes.c_size_t(n),
+                       _MADV_POPULATE_WRITE) != 0:
+        return
+      at += n
+
+
 def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) -> None:
   """Fills `dst` from a socket's `recv_into`, checking each tensor's CRC32C as its bytes land.
 
@@ -222,6 +255,8 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) 
   check = _Landing(dst, entries, digest)
   thread = threading.Thread(target=check.run, name="tfdp-land-check", daemon=True)
   thread.start()
+  prefault = _Prefault(dst)
+  threading.Thread(target=prefault.run, name="tfdp-land-prefault", daemon=True).start()
   pos, waited = 0, 0.0
   try:
     while pos < len(dst) and check.error is None:
@@ -233,9 +268,11 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) 
       pos += k
       check.landed(pos)
   except BaseException:
+    prefault.stop = True
     check.landed(pos, final=True, abort=True)  # Nothing of a cut copy is kept: not checked.
     thread.join()
     raise
+  prefault.stop = True
   last = time.perf_counter()
   check.landed(pos, final=True)
   thread.join()
