@@ -92,3 +92,31 @@ def test_tfdp_train_says_it_in_one_line(small_disk):
   errors_seen = [l for l in proc.stderr.splitlines() if l.startswith("tfdp-train: error:")]
   assert len(errors_seen) == 1 and "is full" in errors_seen[0], proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+_RECEIVE = """
+import socket, sys, threading
+import numpy as np
+from tfdp import errors
+from tfdp.checkpoint.format import slot_file
+from tfdp.checkpoint.local import slots
+source = slots.Slot(sys.argv[1])
+entries, used = source.fill([slots.source("x", np.random.default_rng(0).random(1 << 20))])
+data = bytes(source.receivable(used)[0])
+a, b = socket.socketpair()
+threading.Thread(target=lambda: (a.sendall(data), a.close()), daemon=True).start()
+dst, allocate = slots.Slot(sys.argv[2]).receivable(used)
+try:
+  slot_file.receive(b.recv_into, dst, entries, allocate=allocate)
+except errors.CheckpointError as e:
+  print("refused:", e)
+"""
+
+
+def test_a_copy_received_onto_a_full_disk_is_refused_in_one_error(small_disk, tmp_path):
+  """The receiving slot is allocated beside the transfer: a full disk is a CheckpointError, never a write into a hole (SIGBUS)."""
+  p = subprocess.run([sys.executable, "-c", _RECEIVE, str(tmp_path / "ckpt.slot-0"),
+                      str(small_disk.path / "ckpt.slot-1")], cwd=REPO, capture_output=True,
+                     text=True, timeout=120, check=False)
+  assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+  assert p.stdout.startswith("refused: ") and "cannot allocate 8.4 MB" in p.stdout, p.stdout

@@ -112,7 +112,8 @@ def test_bytes_received_from_a_socket_are_checked_as_they_land(tmp_path):
     a, b = socket.socketpair()
     threading.Thread(target=lambda: (a.sendall(data), a.close()), daemon=True).start()
     try:
-      slot_file.receive(b.recv_into, target.writable(used), entries)
+      dst, allocate = target.receivable(used)
+      slot_file.receive(b.recv_into, dst, entries, allocate=allocate)
     finally:
       b.close()
 

@@ -200,37 +200,62 @@ _libc = ctypes.CDLL(None, use_errno=True)  # Its calls release the GIL.
 
 
 class _Prefault:
-  """Faults a fresh slot's pages in on a thread of its own, ahead of the bytes being received into it.
+  """Makes a slot's pages ready on a thread of its own, ahead of the bytes being received into them.
 
-  A fresh slot's pages (tmpfs) are allocated and zeroed by the kernel at
-  their first write; in `receive` that write is the receiving thread's
-  `recv_into`, which then pays for both. MADV_POPULATE_WRITE does the same
-  fault without writing a byte, so this thread can run anywhere in the slot
-  beside the receiving one (behind it or ahead) and change nothing it holds.
-  Where the kernel lacks it, it stops at once and the receiving thread
-  faults the pages itself, as before.
+  A fresh slot is a hole: each range is allocated (`allocate`, where the
+  caller passes one) before the receiving thread may write there (`wait`),
+  and its pages faulted in (MADV_POPULATE_WRITE: as a write would, without
+  writing a byte), so that the receiving thread's `recv_into` only copies.
+  Both run beside the transfer instead of before it or inside it. Faulting
+  writes nothing, so it may run anywhere beside the receiving thread; where
+  the kernel lacks it, only the allocation runs here.
   """
 
-  def __init__(self, dst: np.ndarray):
-    self._addr, self._size = dst.ctypes.data, dst.nbytes
-    self.stop = False
+  def __init__(self, dst: np.ndarray, allocate):
+    self._addr, self._size, self._allocate = dst.ctypes.data, dst.nbytes, allocate
+    self._cond = threading.Condition()
+    self.ready = 0 if allocate is not None else self._size  # Bytes the receiver may write.
+    self.error, self.stop = None, False
 
   def run(self) -> None:
-    if self._addr % mmap.PAGESIZE:
+    populate, at = self._addr % mmap.PAGESIZE == 0, 0
+    try:
+      while at < self._size and not self.stop:
+        n = min(8 * CHUNK, self._size - at)
+        if self._allocate is not None:
+          self._allocate(at, at + n)
+        if populate and _libc.madvise(ctypes.c_void_p(self._addr + at), ctypes.c_size_t(n),
+                                      _MADV_POPULATE_WRITE) != 0:
+          populate = False
+          if self._allocate is None:
+            return
+        at += n
+        if self._allocate is not None:
+          with self._cond:
+            self.ready = at
+            self._cond.notify_all()
+    except BaseException as e:  # pylint: disable=broad-except
+      with self._cond:
+        self.error = e
+        self._cond.notify_all()
+
+  def wait(self, end: int) -> None:
+    """Until bytes [0, end) may be written (raises what the allocation raised)."""
+    if self.ready >= end:
       return
-    at = 0
-    while at < self._size and not self.stop:
-      n = min(8 * CHUNK, self._size - at)
-      if _libc.madvise(ctypes.c_void_p(self._addr + at), ctypes.c_size_t(n),
-                       _MADV_POPULATE_WRITE) != 0:
-        return
-      at += n
+    with self._cond:
+      while self.ready < end and self.error is None:
+        self._cond.wait()
+    if self.error is not None:
+      raise self.error
 
 
-def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) -> None:
+def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
+            allocate=None) -> None:
   """Fills `dst` from a socket's `recv_into`, checking each tensor's CRC32C as its bytes land.
 
-  Two threads, one pass over the bytes: this one only receives; a checking
+  One pass over the bytes: this thread only receives; a third thread
+  (`_Prefault`) allocates and faults in the pages ahead of it; a checking
   thread follows it over what has landed, a piece of at most CHUNK bytes
   at a time while the piece is in the cache, extending each tensor's CRC32C
   (and `digest`), so that the check of piece k runs while piece k+1
@@ -247,6 +272,10 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) 
     times: a PhaseTimes, or None.
     digest: `fn(bytes)`, fed every byte of `dst` in order on the checking
       thread (the frame's MAC: tfdp.checkpoint.local.channel.Channel), or None.
+    allocate: `fn(start, end)` that allocates those bytes of `dst`'s file,
+      called ahead of the bytes on a third thread (`dst` is a hole until
+      then; tfdp.checkpoint.local.slots.Slot.receivable), or None
+      (allocated already).
 
   Raises:
     ConnectionError: the sender stopped before `dst` was full.
@@ -255,11 +284,12 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None) 
   check = _Landing(dst, entries, digest)
   thread = threading.Thread(target=check.run, name="tfdp-land-check", daemon=True)
   thread.start()
-  prefault = _Prefault(dst)
+  prefault = _Prefault(dst, allocate)
   threading.Thread(target=prefault.run, name="tfdp-land-prefault", daemon=True).start()
   pos, waited = 0, 0.0
   try:
     while pos < len(dst) and check.error is None:
+      prefault.wait(min(pos + CHUNK, len(dst)))
       t = time.perf_counter()
       k = recv_into(dst[pos:pos + CHUNK])
       waited += time.perf_counter() - t

@@ -173,12 +173,12 @@ class Incoming:
       ConnectionError: the sender stopped in the middle.
       wire.Refused: a tensor's bytes do not match the offered record.
     """
-    with self.times.timed("allocate"):
-      dst = self.slot.writable(self.size)
+    with self.times.timed("allocate"):  # Mapped; allocated beside the transfer (Slot.receivable).
+      dst, allocate = self.slot.receivable(self.size)
     reader = getattr(conn, "blob_reader", None)
     recv_into, digest = reader() if reader is not None else (conn.recv_into, None)
     try:
-      slot_file.receive(recv_into, dst, self.manifest.slot.entries, self.times, digest)
+      slot_file.receive(recv_into, dst, self.manifest.slot.entries, self.times, digest, allocate)
     except ValueError as e:
       raise wire.Refused(f"a copy whose bytes do not match its record: {e}", "crc") from None
 

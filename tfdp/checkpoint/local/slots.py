@@ -117,6 +117,19 @@ def _places(sources, previous, start):
   return places
 
 
+def _allocate(fd: int, path: str, start: int, end: int, total: int) -> None:
+  """Allocates bytes [start, end) of slot file `fd` (`total`: the size it is made for, named in the error)."""
+  try:
+    os.posix_fallocate(fd, start, end - start)
+  except OSError as e:
+    if e.errno not in (95,):  # EOPNOTSUPP: a file system without it.
+      raise errors.CheckpointError(
+          f"{path}: cannot allocate {total / 1e6:.1f} MB for a local checkpoint slot "
+          f"({e}). Free space there or pass another local_checkpoint_dir.") from e
+    if os.fstat(fd).st_size < end:
+      os.ftruncate(fd, end)
+
+
 class Slot:
   """One slot file, mapped once and reused by every fill (no allocation per save).
 
@@ -133,8 +146,12 @@ class Slot:
     self._memo = {}  # key -> (value, offset, size, crc) of strings written in this slot.
     self._lock = threading.Lock()
 
-  def _ensure(self, size: int) -> None:
-    """Maps the file with at least `size` bytes, allocated (a full tmpfs fails here, not in a write)."""
+  def _ensure(self, size: int, allocate: bool = True) -> None:
+    """Maps the file with at least `size` bytes, allocated (a full tmpfs fails here, not in a write).
+
+    `allocate=False`: not allocated yet (a hole); the caller allocates each
+    range before it writes there (`receivable`).
+    """
     if self._map is not None and len(self._map) >= size and os.path.exists(self.path):
       return
     self.close()
@@ -144,15 +161,10 @@ class Slot:
         os.fchmod(fd, private.file_mode())
       have = os.fstat(fd).st_size
       want = max(size, have, mmap.PAGESIZE)
-      if want > have or size > 0:
-        try:
-          os.posix_fallocate(fd, 0, want)
-        except OSError as e:
-          if e.errno not in (95,):  # EOPNOTSUPP: a file system without it.
-            raise errors.CheckpointError(
-                f"{self.path}: cannot allocate {want / 1e6:.1f} MB for a local checkpoint slot "
-                f"({e}). Free space there or pass another local_checkpoint_dir.") from e
-          os.ftruncate(fd, want)
+      if allocate and (want > have or size > 0):
+        _allocate(fd, self.path, 0, want, want)
+      elif want > have:
+        os.ftruncate(fd, want)  # Its ranges are allocated before bytes land in them.
       self._map = mmap.mmap(fd, want, flags=mmap.MAP_SHARED)
     except BaseException:
       os.close(fd)
@@ -205,12 +217,23 @@ class Slot:
       off += len(buf)
     return crc
 
-  def writable(self, size: int) -> np.ndarray:
-    """The slot's first `size` bytes, to receive a copy into (its places are forgotten)."""
+  def receivable(self, size: int):
+    """(the slot's first `size` bytes, `allocate(start, end)`), to receive a copy into (its places are forgotten).
+
+    The bytes of a fresh slot are not allocated yet: the receiver allocates
+    each range with `allocate` before its bytes land there, on a thread
+    beside the receiving one (tfdp.checkpoint.format.slot_file.receive), so
+    that a fresh tmpfs's allocation of 1 GB (about 0.2 s here) overlaps the
+    transfer. A full disk still fails in `allocate` (CheckpointError), before
+    any byte is written into the range it refused: a write into a hole of a
+    full tmpfs would end the process (SIGBUS). A slot already mapped that
+    big is allocated already.
+    """
     with self._lock:
-      self._ensure(size)
+      self._ensure(size, allocate=False)
       self._places, self._memo = {}, {}
-      return self._view[:size]
+      fd, path = self._fd, self.path
+      return self._view[:size], lambda start, end: _allocate(fd, path, start, end, size)
 
   def close(self) -> None:
     self._view = None
