@@ -79,7 +79,7 @@ def _python_states(checkpoint, key_prefix):
 
 
 # Calls of a CachedGather read eagerly before it traces (see CachedGather).
-EAGER_READS = 2
+EAGER_READS = 8
 
 
 class CachedGather:
@@ -90,9 +90,9 @@ class CachedGather:
   trace costs about as much as 5 to 13 full reads (0.09 against 0.008 CPU-s
   for a 4-variable model, 2.4 against 0.19-0.49 for ResNet-50's 320), so
   the first `EAGER_READS` calls read as TF's save does and the trace comes
-  at the next: a job that saves once or twice (a short job, most of the
-  test suite's processes) never pays it, and one that saves often pays it
-  at its third save, early enough that its steady saves are all cached. The
+  only when saves prove frequent: a job that saves a few times never pays
+  it, and one that saves often pays at most about twice the best choice
+  (the rule of renting until the rent reaches the price). The
   objects that save a Python value are asked at every call, as TF's save
   asks them. As TF's own async checkpointing does after its first save,
   the call assumes that the checkpoint's objects stay the same; `check()`
