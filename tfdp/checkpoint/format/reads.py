@@ -78,21 +78,11 @@ def _python_states(checkpoint, key_prefix):
           if isinstance(trackable, python_state.PythonState) for key in tensor_dict]
 
 
-# Calls of a CachedGather read eagerly before it traces (see CachedGather).
-EAGER_READS = 8
-
-
 class CachedGather:
   """`tensors(checkpoint)` as one traced TF function, for frequent saves.
 
   One call reads every variable in one function call (about 0.2 ms for a
   Keras model) instead of one eager op and a graph walk per variable. The
-  trace costs about as much as 5 to 13 full reads (0.09 against 0.008 CPU-s
-  for a 4-variable model, 2.4 against 0.19-0.49 for ResNet-50's 320), so
-  the first `EAGER_READS` calls read as TF's save does and the trace comes
-  only when saves prove frequent: a job that saves a few times never pays
-  it, and one that saves often pays at most about twice the best choice
-  (the rule of renting until the rent reaches the price). The
   objects that save a Python value are asked at every call, as TF's save
   asks them. As TF's own async checkpointing does after its first save,
   the call assumes that the checkpoint's objects stay the same; `check()`
@@ -111,7 +101,6 @@ class CachedGather:
     self._states = None
     self._objects = None
     self._texts = {}  # key -> (a Python state's last text, its tensor)
-    self._eager_left = EAGER_READS
 
   def _trace(self):
     keys = []
@@ -136,9 +125,6 @@ class CachedGather:
   def __call__(self) -> list[Item]:
     """The Items, sized where the trace knew the size (None: a string, sized by whoever needs it)."""
     if self._fn is None:
-      if self._eager_left > 0:
-        self._eager_left -= 1
-        return [Item(key, spec, value, None) for key, spec, value in tensors(self._checkpoint)]
       self._trace()
     out = [Item(key, spec, value, size)
            for (key, spec, size), value in zip(self._keys, self._fn())]
