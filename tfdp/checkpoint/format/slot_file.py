@@ -224,16 +224,15 @@ class _Prefault:
         n = min(8 * CHUNK, self._size - at)
         if self._allocate is not None:
           self._allocate(at, at + n)
+          with self._cond:  # The receiver waits for the allocation only, not for the faults.
+            self.ready = at + n
+            self._cond.notify_all()
         if populate and _libc.madvise(ctypes.c_void_p(self._addr + at), ctypes.c_size_t(n),
                                       _MADV_POPULATE_WRITE) != 0:
           populate = False
           if self._allocate is None:
             return
         at += n
-        if self._allocate is not None:
-          with self._cond:
-            self.ready = at
-            self._cond.notify_all()
     except BaseException as e:  # pylint: disable=broad-except
       with self._cond:
         self.error = e
@@ -261,9 +260,10 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
   (and `digest`), so that the check of piece k runs while piece k+1
   arrives (both release the GIL). Fixed-size tensors are checked as they
   complete, strings once all is here. The first mismatch stops the
-  receiving. `times` gets the seconds waited for bytes (`recv`), the
-  checking thread's own seconds (`land_check`, overlapped with `recv`) and
-  those after the last byte until all is checked (`land_tail`).
+  receiving. `times` gets the seconds waited for bytes (`recv`) and for
+  their room to be allocated (`allocate`), the checking thread's own
+  seconds (`land_check`, overlapped with `recv`) and those after the last
+  byte until all is checked (`land_tail`).
 
   Args:
     recv_into: a socket's `recv_into` (the bytes as they come).
@@ -286,10 +286,12 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
   thread.start()
   prefault = _Prefault(dst, allocate)
   threading.Thread(target=prefault.run, name="tfdp-land-prefault", daemon=True).start()
-  pos, waited = 0, 0.0
+  pos, waited, allocating = 0, 0.0, 0.0
   try:
     while pos < len(dst) and check.error is None:
+      t = time.perf_counter()
       prefault.wait(min(pos + CHUNK, len(dst)))
+      allocating += time.perf_counter() - t
       t = time.perf_counter()
       k = recv_into(dst[pos:pos + CHUNK])
       waited += time.perf_counter() - t
@@ -307,6 +309,7 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
   check.landed(pos, final=True)
   thread.join()
   if times is not None:
+    times.add("allocate", allocating)  # Waited for, beside the transfer.
     times.add("recv", waited)
     times.add("land_check", check.busy)
     times.add("land_tail", time.perf_counter() - last)
