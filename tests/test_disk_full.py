@@ -120,3 +120,40 @@ def test_a_copy_received_onto_a_full_disk_is_refused_in_one_error(small_disk, tm
                      text=True, timeout=120, check=False)
   assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
   assert p.stdout.startswith("refused: ") and "cannot allocate 8.4 MB" in p.stdout, p.stdout
+
+
+_FILL_AFTER_CUT = """
+import socket, sys, threading
+import numpy as np
+from tfdp import errors
+from tfdp.checkpoint.format import slot_file
+from tfdp.checkpoint.local import slots
+sources = [slots.source("x", np.random.default_rng(0).random(5 << 20))]  # 42 MB
+source = slots.Slot(sys.argv[1])
+entries, used = source.fill(sources)
+data = bytes(source.receivable(used)[0])
+a, b = socket.socketpair()
+threading.Thread(target=lambda: (a.sendall(data), a.close()), daemon=True).start()
+target = slots.Slot(sys.argv[2])
+dst, allocate = target.receivable(used)
+for attempt in ("receive", "fill"):
+  try:
+    if attempt == "receive":
+      slot_file.receive(b.recv_into, dst, entries, allocate=allocate)
+    else:
+      target.fill(sources)
+  except errors.CheckpointError as e:
+    print(attempt, "refused:", e)
+"""
+
+
+@pytest.mark.parametrize("small_disk", ["24m"], indirect=True)
+def test_a_slot_left_with_holes_by_a_cut_receive_is_allocated_before_a_save_fills_it(
+    small_disk, tmp_path):
+  """A receive cut by a full disk leaves holes; the next local save into that slot is one CheckpointError, not SIGBUS."""
+  p = subprocess.run([sys.executable, "-c", _FILL_AFTER_CUT, str(tmp_path / "ckpt.slot-0"),
+                      str(small_disk.path / "ckpt.slot-1")], cwd=REPO, capture_output=True,
+                     text=True, timeout=120, check=False)
+  assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+  lines = p.stdout.splitlines()
+  assert [l.split(" ")[:2] for l in lines] == [["receive", "refused:"], ["fill", "refused:"]], p.stdout

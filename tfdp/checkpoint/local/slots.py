@@ -144,6 +144,7 @@ class Slot:
     self._view = None
     self._places = {}
     self._memo = {}  # key -> (value, offset, size, crc) of strings written in this slot.
+    self._holes = False  # Whether the mapped file may have ranges not allocated (`receivable`).
     self._lock = threading.Lock()
 
   def _ensure(self, size: int, allocate: bool = True) -> None:
@@ -153,6 +154,9 @@ class Slot:
     range before it writes there (`receivable`).
     """
     if self._map is not None and len(self._map) >= size and os.path.exists(self.path):
+      if allocate and self._holes:  # Since `receivable`: a cut transfer may have left holes.
+        _allocate(self._fd, self.path, 0, len(self._map), len(self._map))
+        self._holes = False
       return
     self.close()
     fd = private.open_file(self.path, os.O_RDWR | os.O_CREAT)  # 0600, never through a symlink.
@@ -165,6 +169,7 @@ class Slot:
         _allocate(fd, self.path, 0, want, want)
       elif want > have:
         os.ftruncate(fd, want)  # Its ranges are allocated before bytes land in them.
+      self._holes = not allocate
       self._map = mmap.mmap(fd, want, flags=mmap.MAP_SHARED)
     except BaseException:
       os.close(fd)
@@ -231,6 +236,7 @@ class Slot:
     """
     with self._lock:
       self._ensure(size, allocate=False)
+      self._holes = True  # Until a fill allocates it all (`_ensure`).
       self._places, self._memo = {}, {}
       fd, path = self._fd, self.path
       return self._view[:size], lambda start, end: _allocate(fd, path, start, end, size)
