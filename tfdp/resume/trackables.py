@@ -53,8 +53,10 @@ class CallbackStates(trackable_base.Trackable):
     text, blob = callback_state.capture(run_callbacks(self._backup))
     self._held = b'"callbacks": {}' not in text
     if self._last is None or self._last[0] != (text, blob):
-      # Callbacks' state changes at epochs' ends: the tensors of an unchanged one are made once.
-      self._last = ((text, blob), {"state": tf.constant(text), "arrays": tf.constant(blob)})
+      # Callbacks' state changes at epochs' ends: the tensors of an unchanged one are made
+      # once, eagerly (also when asked inside a trace), so any later save may reuse them.
+      with tf.init_scope():
+        self._last = ((text, blob), {"state": tf.constant(text), "arrays": tf.constant(blob)})
     return dict(self._last[1])
 
   def _restore_from_tensors(self, restored_tensors):
