@@ -24,9 +24,11 @@ ROOT: where the backup goes (default /tmp/b45); the local tier goes to its
 
 Prints steps/s after step 100; the callback's wall and CPU milliseconds per
 step on the training thread (its `on_train_batch_end`, saves included); the
-local writer thread's CPU per save; the median step's time inside `fit`'s
-train function (`train_fn_ms`: what the writer's work beside it slows); the
-process's CPU seconds.
+local writer thread's CPU per save; the median step's time from its batch's
+begin to the end of its callbacks (`train_fn_ms`: `fit`'s train function,
+then the callbacks, a save at that step included); the process's CPU
+seconds. `scripts/bench_tiers.py --parts=throughput` runs the same
+comparison as interleaved rounds; this script is its breakdown.
 
 --paired=B (local variants and floor1): after step 100, the same process
 alternates blocks of B steps with the local saves (or the floor's copy)
