@@ -1,6 +1,6 @@
 """Where a saving step's time goes: the issue-45 user script, one variant per process, one JSON line.
 
-    python scripts/bench_step_cost.py VARIANT CORES STEPS [ROOT] [--paired=B]
+    python scripts/bench_step_cost.py VARIANT CORES STEPS [ROOT] [--paired=B] [--layers=N]
 
 A user's plain script: `MirroredStrategy` over 2 logical CPUs, a 1.41M-
 parameter MLP with Adam (16.9 MB of state), `shuffle(2048)`, `model.fit`
@@ -19,6 +19,9 @@ VARIANT:
                  copy and CRC32C on the other core, nothing of tfdp's).
 CORES: free (training in one thread: intra- and inter-op threads 1, a core
   left free as on a GPU host) or busy (TF's defaults: both cores train).
+--layers=N: N more Dense(10) layers at the end (6 more tensors each with
+  Adam's slots): a model of many tensors, as real models are (ResNet-50 has
+  about 480 to save), for the cost per tensor.
 ROOT: where the backup goes (default /tmp/b45); the local tier goes to its
   default directory (/dev/shm).
 
@@ -30,9 +33,10 @@ then the callbacks, a save at that step included); the process's CPU
 seconds. `scripts/bench_tiers.py --parts=throughput` runs the same
 comparison as interleaved rounds; this script is its breakdown.
 
---paired=B (local variants and floor1): after step 100, the same process
-alternates blocks of B steps with the local saves (or the floor's copy)
-off (the callback never saving, its `LocalTier.due` answering no) and on.
+--paired=B: after step 100, the same process alternates blocks of B steps
+with the saves (or the floor's copy) off (the callback never saving: its
+`LocalTier.due`, for async50 its cadence, answering no) and on. For async50
+with B=50 each block on holds one persistent save, at its first step.
 `paired_ratio` is the median over the pairs of (the off block's time / the
 on block's): the ratio to never saving without the spread between
 processes (one variant's separate runs differ by up to 25% here), as a
@@ -45,9 +49,9 @@ import sys
 import threading
 import time
 
-paired = [int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--paired=")]
-argv = [a for a in sys.argv if not a.startswith("--paired=")]
-paired = paired[0] if paired else None
+flags = {a[2:].split("=", 1)[0]: int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--")}
+argv = [a for a in sys.argv if not a.startswith("--")]
+paired, layers = flags.get("paired"), flags.get("layers", 0)
 variant, cores, steps = argv[1], argv[2], int(argv[3])
 root = os.path.join(argv[4] if len(argv) > 4 else "/tmp/b45", f"{variant}-{os.getpid()}")
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -58,6 +62,7 @@ if cores == "free":
 import keras  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tfdp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdp.callbacks import backup as backup_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdp.checkpoint import tiers as tiers_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfdp.checkpoint.local import tier as tier_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 strategy = tfdp.make_strategy(cpu_replicas=2)
@@ -95,6 +100,16 @@ def paired_due(self, step):
 
 
 tier_lib.LocalTier.due = paired_due
+persistent_steps = []
+real_persistent = tiers_lib.Tiers._save_persistent  # pylint: disable=protected-access
+
+
+def counted_persistent(self, snapshot, step, *a, **k):
+  persistent_steps.append(len(stamps))
+  return real_persistent(self, snapshot, step, *a, **k)
+
+
+tiers_lib.Tiers._save_persistent = counted_persistent  # pylint: disable=protected-access
 spent = [0.0, 0.0]
 real_end = backup_lib.BackupAndRestore.on_train_batch_end
 
@@ -115,7 +130,8 @@ ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=1).repeat().b
 keras.utils.set_random_seed(0)
 with strategy.scope():  # 1.41M parameters: 16.9 MB with Adam's two slots.
   model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
-                            keras.layers.Dense(856, activation="relu"), keras.layers.Dense(10)])
+                            keras.layers.Dense(856, activation="relu"), keras.layers.Dense(10)]
+                           + [keras.layers.Dense(10) for _ in range(layers)])
   model.compile(optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 every = {"never": None, "every5": 5, "auto": "auto", "async50": None, "floor1": None}.get(variant, 1)
@@ -123,6 +139,9 @@ kw = dict(save_freq=50, async_save=True) if variant == "async50" else dict(save_
 if every is not None:
   kw.update(local_checkpoint_every_steps=every)
 cb = tfdp.callbacks.BackupAndRestore(os.path.join(root, "backup"), **kw)
+if variant == "async50" and paired:  # Off blocks: the persistent saves not due.
+  real_cadence_due = cb._cadence.due  # pylint: disable=protected-access
+  cb._cadence.due = lambda *a, **k: not off_block() and real_cadence_due(*a, **k)  # pylint: disable=protected-access
 
 
 due = threading.Semaphore(0)
@@ -164,8 +183,11 @@ cpu = time.process_time() - t0
 st = stamps[100:]
 params = sum(int(np.prod(v.shape)) for v in model.weights)
 ratios = []
-if paired:  # Block k covers the steps ending at stamps[100 + k*B .. 100 + (k+1)*B].
-  ends = stamps[100::paired]
+if paired:  # Block k: from the batch begin of step 100 + k*B to that of step 100 + (k+1)*B.
+  # Batch begins, not ends: a step's saves run in its callbacks, before its
+  # end's stamp, so a block of end stamps would hand its first save to the
+  # block before it (one save in B: with async50, the block's only save).
+  ends = begins[100::paired]
   blocks = [b - a for a, b in zip(ends, ends[1:])]
   ratios = [off / on for off, on in zip(blocks[0::2], blocks[1::2])]
 print(json.dumps({
@@ -176,5 +198,6 @@ print(json.dumps({
     "train_fn_ms": round(1000 * float(np.median(np.subtract(stamps[100:], begins[100:]))), 2),
     "paired_ratio": round(float(np.median(ratios)), 4) if ratios else None,
     "pairs": len(ratios),
-    "saves_written": len(writer_cpu), "process_cpu_s": round(cpu, 2),
-    "state_mb": round(params * 4 * 3 / 1e6, 1)}), flush=True)
+    "saves_written": len(writer_cpu), "persistent_at": persistent_steps[:12],
+    "process_cpu_s": round(cpu, 2),
+    "state_mb": round(params * 4 * 3 / 1e6, 1), "layers": layers}), flush=True)
