@@ -79,6 +79,11 @@ def early(items, tmp_path_factory):
     for name in getattr(item, "fixturenames", ()):
       first_use.setdefault(name, i)
   makers = [_MAKERS[name] for name in sorted(set(_MAKERS) & set(first_use), key=first_use.get)]
+  # The session's basetemp made here, before the thread: pytest makes it on
+  # first use, unlocked, and a test that asks for tmp_path while the thread
+  # asks too got a second basetemp, whose shared runs were made again (seen
+  # in runs of one file: the ft_reference and matrix runs made twice).
+  tmp_path_factory.getbasetemp()
   stop = threading.Event()
 
   def make_them():

@@ -64,7 +64,7 @@ def _plan(seed):
   replaced host): the restart recovers the newest local step from worker 0.
   """
   rng = random.Random(seed)
-  steps = sorted(rng.sample(range(10, ft_common.STEPS - 10), 3))
+  steps = sorted(rng.sample(range(10, ft_common.TEST_STEPS - 10), 3))
   phases = rng.sample(save_faults.PHASES, 2)
   events = [{"step": s} for s in steps] + [{"phase": p} for p in phases]
   rng.shuffle(events)
@@ -79,8 +79,9 @@ def _plan(seed):
   return {str(i): e for i, e in enumerate(events)}
 
 
-# The chaos run's tiers: local saves every step, persistent every 100.
-TIERS = ["--checkpoint_every_steps=100", "--local_checkpoint_every_steps=1"]
+# The chaos run's tiers (of ft_common.TEST_STEPS = 100 steps): local saves
+# every step, persistent every 50.
+TIERS = ["--checkpoint_every_steps=50", "--local_checkpoint_every_steps=1"]
 
 
 def recomputed_from_records(folder, attempts, final_step):
@@ -119,15 +120,16 @@ def recomputed_from_records(folder, attempts, final_step):
 @pytest.mark.slow
 @pytest.mark.usefixtures("ft_reference")  # made early (tests/shared.py)
 def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_path, tmp_path_factory):
-  """Local tier every step, persistent every 100: a SIGKILL costs at most a step on average.
+  """Local tier every step, persistent every 50: a SIGKILL costs at most a step on average.
 
-  The same job without the local tier recomputes about 50 steps per failure
-  (scripts/bench_tiers.py --parts=chaos runs both side by side).
+  The same job without the local tier recomputes about half the persistent
+  interval per failure (scripts/bench_tiers.py --parts=chaos runs both side
+  by side, persistent every 100 of 200 steps).
   """
   reference = ft_common.reference(tmp_path_factory)
   plan = _plan(seed=6)
   model_dir = str(tmp_path / "model")
-  flags = TIERS + [f"--local_checkpoint_dir={tmp_path / 'local'}"]
+  flags = TIERS + ft_common.TEST_FLAGS + [f"--local_checkpoint_dir={tmp_path / 'local'}"]
   code, out = ft_common.run_job(
       model_dir, str(tmp_path / "log.txt"), flags,
       env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan), FT_REACHED_DIR=str(tmp_path / "reached")),
@@ -143,7 +145,7 @@ def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_pat
   print(line)
   recomputed = int(re.search(r"(\d+) steps? recomputed", line).group(1))
   # Exact: the steps the killed attempts reached, as the workers recorded them.
-  truth, seen = recomputed_from_records(tmp_path / "reached", 6, ft_common.STEPS)
+  truth, seen = recomputed_from_records(tmp_path / "reached", 6, ft_common.TEST_STEPS)
   assert recomputed == truth, (line, seen)
   assert recomputed / 5 <= 1, (line, seen)
   summary = json.loads((tmp_path / "model" / "goodput.json").read_text())
@@ -156,7 +158,7 @@ def test_chaos_sigkill_five_times_loses_few_steps_and_ends_bitwise_equal(tmp_pat
   # The completed run leaves no local copies behind.
   assert not any(files for _, _, files in os.walk(tmp_path / "local")), list(os.walk(tmp_path / "local"))
   prefixes, problems = ft_common.verify_all(model_dir)
-  assert os.path.join(model_dir, f"ckpt-{ft_common.STEPS}") in prefixes
+  assert os.path.join(model_dir, f"ckpt-{ft_common.TEST_STEPS}") in prefixes
   assert not problems, problems
   diffs = ft_common.differences(ft_common.final_weights(reference),
                                 ft_common.final_weights(model_dir))

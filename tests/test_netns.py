@@ -85,18 +85,18 @@ def test_kill_and_link_cut_across_namespaces_end_bitwise_equal(two_hosts, tmp_pa
                                                                tmp_path_factory):
   reference = ft_common.reference(tmp_path_factory)
   model_dir = str(tmp_path / "model")
-  # Attempt 0: worker 1 (in the second namespace) is SIGKILLed at step 50.
-  # Attempt 1: the link goes down once step 120 is checkpointed; up again
-  # when the launcher restarts the group.
-  plan = {"0": {"worker": 1, "step": 50}}
+  # Attempt 0: worker 1 (in the second namespace) is SIGKILLed at step 25.
+  # Attempt 1: the link goes down once step 60 is checkpointed; up again
+  # when the launcher restarts the group (ft_common.TEST_STEPS: 100 steps).
+  plan = {"0": {"worker": 1, "step": 25}}
   out = io.StringIO()
   events = []
 
   def cut_the_link():
     try:
       _wait_for(lambda: "restart 1/" in out.getvalue(), 240, "the first restart")
-      _wait_for(lambda: any(f.startswith("ckpt-120.") for f in os.listdir(model_dir)),
-                240, "step 120")
+      _wait_for(lambda: any(f.startswith("ckpt-60.") for f in os.listdir(model_dir)),
+                240, "step 60")
       _ip("-n", two_hosts["names"][0], "link", "set", two_hosts["links"][0], "down")
       events.append(("down", time.monotonic()))
       _wait_for(lambda: "restart 2/" in out.getvalue(), 120, "the second restart")
@@ -108,7 +108,7 @@ def test_kill_and_link_cut_across_namespaces_end_bitwise_equal(two_hosts, tmp_pa
   cutter = threading.Thread(target=cut_the_link, daemon=True)
   cutter.start()
   code = launch.launch(
-      ft_common.command(model_dir), 2, env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan)),
+      ft_common.command(model_dir, ft_common.TEST_FLAGS), 2, env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan)),
       out=out, grace_seconds=5, max_restarts=2, hang_timeout=30,
       hosts=two_hosts["hosts"], wrapper=two_hosts["wrapper"])
   cutter.join(timeout=10)
