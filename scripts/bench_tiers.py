@@ -305,7 +305,8 @@ def _restore_child():
   stamps["first_step"] = time.time()
   got = int(step.numpy())
   if FLAGS.variant == "peer":
-    stamps["raw_transfer_s"] = _raw_transfer(strategy, FLAGS.mb * _MB)
+    stamps["raw_transfer_s"], stamps["raw_transfer_cpu_s"] = _raw_transfer(strategy,
+                                                                           FLAGS.mb * _MB)
   # TF's restore alone of the same files, now that the process has read them
   # once: the part of the restore call that is reading the state.
   t = time.time()
@@ -362,11 +363,12 @@ def _floors(prefix):
 
 
 def _raw_transfer(strategy, nbytes):
-  """Seconds to send `nbytes` from worker 0 to worker 1 over one TCP socket (the floor of peer recovery).
+  """(seconds, this process's CPU seconds) to send `nbytes` from worker 0 to worker 1 over one TCP socket.
 
-  The receiver's time from accepting the connection to holding every byte in
-  a preallocated buffer; the ports are agreed with one all-reduce, as the
-  side channel agrees on them.
+  The floor of peer recovery. Seconds: the receiver's, from accepting the
+  connection to holding every byte in a preallocated buffer (0 on the
+  sender); the ports are agreed with one all-reduce, as the side channel
+  agrees on them.
   """
   import socket  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -376,20 +378,22 @@ def _raw_transfer(strategy, nbytes):
   ports = cluster.gather([server.getsockname()[1]], strategy)[:, 0]
   if me.index == 0:
     data = np.ones(nbytes, np.uint8)
+    cpu = time.process_time()
     with socket.create_connection(("localhost", int(ports[1]))) as sock:
       sock.sendall(memoryview(data))
+    cpu = time.process_time() - cpu
     cluster.agree(0, "max", strategy)
-    return 0.0
+    return 0.0, cpu
   conn, _ = server.accept()
   buf = bytearray(nbytes)
   view, got = memoryview(buf), 0
-  t = time.perf_counter()
+  t, cpu = time.perf_counter(), time.process_time()
   while got < nbytes:
     got += conn.recv_into(view[got:])
-  seconds = time.perf_counter() - t
+  seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
   conn.close()
   cluster.agree(0, "max", strategy)
-  return seconds
+  return seconds, cpu
 
 
 def _write(obj, per_worker=False):
@@ -702,6 +706,8 @@ def _peer_part(base, log, sizes):
           ws = _read(result, 2)
           if tier == "peer" and FLAGS.peer_probe:
             _print_probe(ws)
+            print(f"    raw TCP of the same bytes: {max(w['raw_transfer_s'] for w in ws):.3f} s, "
+                  f"CPU of both processes {sum(w['raw_transfer_cpu_s'] for w in ws):.3f} s")
           if any(w["tier"] != tier for w in ws):
             raise RuntimeError(f"restored from {[w['tier'] for w in ws]}, wanted {tier}")
           samples[tier].append(_timings(ws))
@@ -756,6 +762,7 @@ def _peer_part(base, log, sizes):
 def _print_probe(ws):
   """Each worker's timeline of the transfer (from the agreement), its sendfile pieces and threads."""
   t0 = min(w["probe"]["stamps"]["agreed"] for w in ws if "agreed" in w["probe"]["stamps"])
+  cpu = []  # The holder's over its send, the receiver's over its receive.
   for i, w in enumerate(ws):
     probe = w["probe"]
     line = ", ".join(f"{k} +{v - t0:.3f}" for k, v in sorted(probe["stamps"].items(),
@@ -770,10 +777,14 @@ def _print_probe(ws):
     for name, window in probe["windows"].items():
       if "seconds" not in window:
         continue
+      if name == ("transfer" if "send_start" in probe["stamps"] else "receive"):
+        cpu.append(window["machine"]["process_cpu"])
       print(f"    {name} window {window['seconds']:.3f} s; machine: {window['machine']}")
       busy = sorted(window["per_thread"].items(), key=lambda kv: -kv[1]["cpu"])
       for thread, d in busy[:12]:
         print(f"      {thread}: {d}")
+  print(f"    peer transfer: CPU of both processes {sum(cpu):.3f} s (holder sending, receiver "
+        "receiving)")
 
 
 def _chaos_plan(seed, steps):
