@@ -24,7 +24,13 @@ Parts (--parts, all by default), each measured side by side in one run:
               sends the copy's files over the side channel) and from the
               persistent tier; beside a raw TCP transfer of the same bytes from
               worker 0 to worker 1 in the same run (the floor); the slowest
-              worker's restore call split into its phases, as above.
+              worker's restore call split into its phases, as above. The
+              figure: the transfer, the receiver's wait from the agreement
+              that lets the holder send to the copy checked in its slot
+              (`wait`), over the raw transfer. --peer_tiers=peer restores
+              from the peer only; --peer_probe prints both workers' timeline
+              of the transfer, the holder's sendfile pieces and each thread's
+              CPU and runnable-but-waiting seconds (scripts/peer_probe.py).
   chaos       the fault-tolerance tests' 2-worker job with 5 seeded SIGKILLs at
               steps, with local saves every step, every "auto" steps and without:
               goodput and the steps recomputed per failure.
@@ -79,6 +85,10 @@ flags.DEFINE_list("restore_mb", ["256", "1024"], "State sizes of the restore par
 flags.DEFINE_integer("restore_reps", 2, "Restores per tier and size.")
 flags.DEFINE_list("peer_mb", ["256", "1024"], "State sizes of the peer part.")
 flags.DEFINE_integer("peer_reps", 2, "Restores per tier of the peer part (1 for sizes > 256 MB).")
+flags.DEFINE_list("peer_tiers", ["local", "peer", "persistent"],
+                  "Tiers the peer part restores from, in order (peer alone: the transfer only).")
+flags.DEFINE_bool("peer_probe", False, "Peer part: each worker's timeline, sendfile pieces and "
+                  "per-thread CPU of the transfer (scripts/peer_probe.py), printed.")
 flags.DEFINE_integer("chaos_seed", 6, "Seed of the chaos plan.")
 flags.DEFINE_bool("drop_caches", True, "Drop the page cache before cold restores (needs root).")
 # Internal: set when this script runs as one benchmark child.
@@ -281,7 +291,12 @@ def _restore_child():
   phases = mgr._local.phases if mgr._local is not None else None  # pylint: disable=protected-access
   if phases is not None:
     phases.take()
+  if FLAGS.peer_probe and FLAGS.variant == "peer":
+    import peer_probe  # pylint: disable=g-import-not-at-top
+    peer_probe.install()
   prefix = mgr.restore_or_initialize()
+  if FLAGS.peer_probe and FLAGS.variant == "peer":
+    stamps["probe"] = peer_probe.take()
   stamps["restored"] = time.time()
   stamps["phases"] = phases.take() if phases is not None else {}
   if mgr.restored_tier in ("local", "peer"):
@@ -290,7 +305,8 @@ def _restore_child():
   stamps["first_step"] = time.time()
   got = int(step.numpy())
   if FLAGS.variant == "peer":
-    stamps["raw_transfer_s"] = _raw_transfer(strategy, FLAGS.mb * _MB)
+    stamps["raw_transfer_s"], stamps["raw_transfer_cpu_s"] = _raw_transfer(strategy,
+                                                                           FLAGS.mb * _MB)
   # TF's restore alone of the same files, now that the process has read them
   # once: the part of the restore call that is reading the state.
   t = time.time()
@@ -347,11 +363,12 @@ def _floors(prefix):
 
 
 def _raw_transfer(strategy, nbytes):
-  """Seconds to send `nbytes` from worker 0 to worker 1 over one TCP socket (the floor of peer recovery).
+  """(seconds, this process's CPU seconds) to send `nbytes` from worker 0 to worker 1 over one TCP socket.
 
-  The receiver's time from accepting the connection to holding every byte in
-  a preallocated buffer; the ports are agreed with one all-reduce, as the
-  side channel agrees on them.
+  The floor of peer recovery. Seconds: the receiver's, from accepting the
+  connection to holding every byte in a preallocated buffer (0 on the
+  sender); the ports are agreed with one all-reduce, as the side channel
+  agrees on them.
   """
   import socket  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -361,20 +378,22 @@ def _raw_transfer(strategy, nbytes):
   ports = cluster.gather([server.getsockname()[1]], strategy)[:, 0]
   if me.index == 0:
     data = np.ones(nbytes, np.uint8)
+    cpu = time.process_time()
     with socket.create_connection(("localhost", int(ports[1]))) as sock:
       sock.sendall(memoryview(data))
+    cpu = time.process_time() - cpu
     cluster.agree(0, "max", strategy)
-    return 0.0
+    return 0.0, cpu
   conn, _ = server.accept()
   buf = bytearray(nbytes)
   view, got = memoryview(buf), 0
-  t = time.perf_counter()
+  t, cpu = time.perf_counter(), time.process_time()
   while got < nbytes:
     got += conn.recv_into(view[got:])
-  seconds = time.perf_counter() - t
+  seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
   conn.close()
   cluster.agree(0, "max", strategy)
-  return seconds
+  return seconds, cpu
 
 
 def _write(obj, per_worker=False):
@@ -542,11 +561,10 @@ def _restore_row(samples, **row):
 
 
 # Phases of a restore call on the restoring thread (tfdp.checkpoint.local.phases),
-# in order; allocate, recv and land_check run inside `wait` on the side
-# channel's thread.
+# in order; the inner ones run inside `wait` on the side channel's threads.
 _PHASES = ("held", "agree", "index", "before_restore", "map", "check", "views", "plan",
            "tensors", "assign", "per_worker", "send", "wait", "commit")
-_INNER_PHASES = ("allocate", "recv", "land_check", "land_tail")
+_INNER_PHASES = ("allocate", "recv", "land_behind", "land_check", "land_write", "land_tail")
 
 
 def _timings(ws):
@@ -675,16 +693,21 @@ def _peer_part(base, log, sizes):
       t = time.perf_counter()
       _launch(_cmd("make", os.path.join(work, "make"), work, mb=mb, local_dir=local), log)
       _log(f"peer {mb} MB: saved in {time.perf_counter() - t:.1f} s")
-      samples = {"local": [], "peer": [], "persistent": []}
+      samples = {tier: [] for tier in FLAGS.peer_tiers}
       raw = []
       for rep in range(reps):
         # Peer recovery writes worker 1's copy back, so "local" can follow it.
-        for tier in ("local", "peer", "persistent"):
+        for tier in FLAGS.peer_tiers:
           if tier == "peer":
             shutil.rmtree(os.path.join(local, "worker-1"))
           result = os.path.join(work, f"p-{tier}-{rep}")
-          _launch(_cmd("restore", result, work, mb=mb, variant=tier, local_dir=local), log)
+          _launch(_cmd("restore", result, work, mb=mb, variant=tier, local_dir=local,
+                       peer_probe=FLAGS.peer_probe), log)
           ws = _read(result, 2)
+          if tier == "peer" and FLAGS.peer_probe:
+            _print_probe(ws)
+            print(f"    raw TCP of the same bytes: {max(w['raw_transfer_s'] for w in ws):.3f} s, "
+                  f"CPU of both processes {sum(w['raw_transfer_cpu_s'] for w in ws):.3f} s")
           if any(w["tier"] != tier for w in ws):
             raise RuntimeError(f"restored from {[w['tier'] for w in ws]}, wanted {tier}")
           samples[tier].append(_timings(ws))
@@ -693,7 +716,8 @@ def _peer_part(base, log, sizes):
           _log(f"peer {mb} MB {tier}: {samples[tier][-1]}")
       for tier, ss in samples.items():
         rows.append(_restore_row(ss, state_MB=mb, tier=tier, reps=len(ss)))
-      rows[-2]["raw_transfer_s"] = bench_common.median(raw)
+        if tier == "peer":
+          rows[-1]["raw_transfer_s"] = bench_common.median(raw)
     finally:
       shutil.rmtree(local, ignore_errors=True)
       shutil.rmtree(work, ignore_errors=True)
@@ -709,26 +733,58 @@ def _peer_part(base, log, sizes):
   ratios = {}
   for mb in sizes:
     by = {r["tier"]: r for r in rows if r["state_MB"] == mb}
-    extra = by["peer"]["restore_s"] - by["local"]["restore_s"]  # Getting the bytes.
+    if "peer" not in by:
+      continue
     raw = by["peer"]["raw_transfer_s"]
     # The receiver's wait: from the agreement that lets the holder send to the
     # copy checked in its slot (the holder's connection, handshake, record and
     # bytes; allocate, recv, the check as they land).
     wait = max(v for k, v in by["peer"].items() if k.endswith("phase_wait_s"))
-    ratios[f"{mb}MB"] = {"peer_vs_local": by["peer"]["restore_s"] / by["local"]["restore_s"],
-                         "persistent_vs_peer": by["persistent"]["restore_s"]
-                                               / by["peer"]["restore_s"],
-                         "peer_extra_s": extra, "raw_transfer_s": raw, "transfer_s": wait,
-                         "peer_extra_vs_raw": extra / raw if raw else None,
-                         "transfer_vs_raw": wait / raw if raw else None}
-    r = ratios[f"{mb}MB"]
-    print(f"  {mb} MB restore call: peer/local {r['peer_vs_local']:.2f}x, persistent(warm)/peer "
-          f"{r['persistent_vs_peer']:.2f}x; against a raw TCP transfer of the same bytes "
-          f"{raw:.3f} s: the transfer (the receiver's wait, agreement to the copy checked in its "
-          f"slot) {wait:.3f} s = {r['transfer_vs_raw'] or 0:.2f}x, peer - local {extra:.3f} s = "
-          f"{r['peer_extra_vs_raw'] or 0:.2f}x (target <= 2: "
-          f"{'MET' if (r['transfer_vs_raw'] or 9) <= 2 else 'MISSED'})")
+    r = ratios[f"{mb}MB"] = {"raw_transfer_s": raw, "transfer_s": wait,
+                             "transfer_vs_raw": wait / raw if raw else None}
+    text = (f"  {mb} MB against a raw TCP transfer of the same bytes {raw:.3f} s: the transfer "
+            f"(the receiver's wait, agreement to the copy checked in its slot) {wait:.3f} s = "
+            f"{r['transfer_vs_raw'] or 0:.2f}x (target <= 2: "
+            f"{'MET' if (r['transfer_vs_raw'] or 9) <= 2 else 'MISSED'})")
+    if "local" in by:
+      extra = by["peer"]["restore_s"] - by["local"]["restore_s"]  # Getting the bytes.
+      r.update(peer_vs_local=by["peer"]["restore_s"] / by["local"]["restore_s"],
+               peer_extra_s=extra, peer_extra_vs_raw=extra / raw if raw else None)
+      text += (f"; restore call peer/local {r['peer_vs_local']:.2f}x, peer - local "
+               f"{extra:.3f} s = {r['peer_extra_vs_raw'] or 0:.2f}x raw")
+    if "persistent" in by:
+      r["persistent_vs_peer"] = by["persistent"]["restore_s"] / by["peer"]["restore_s"]
+      text += f", persistent(warm)/peer {r['persistent_vs_peer']:.2f}x"
+    print(text)
   return {"rows": rows, "ratios": ratios}
+
+
+def _print_probe(ws):
+  """Each worker's timeline of the transfer (from the agreement), its sendfile pieces and threads."""
+  t0 = min(w["probe"]["stamps"]["agreed"] for w in ws if "agreed" in w["probe"]["stamps"])
+  cpu = []  # The holder's over its send, the receiver's over its receive.
+  for i, w in enumerate(ws):
+    probe = w["probe"]
+    line = ", ".join(f"{k} +{v - t0:.3f}" for k, v in sorted(probe["stamps"].items(),
+                                                               key=lambda kv: kv[1]))
+    print(f"  probe worker {i}: {line}")
+    if "sendfile" in probe:
+      print(f"    sendfile: {probe['sendfile']}")
+    if "recv_calls" in probe:
+      print(f"    recv: {probe['recv_calls']} calls, {probe['recv_bytes']} bytes")
+    for thread, d in probe.get("threads", {}).items():
+      print(f"    thread {thread}: {d}")
+    for name, window in probe["windows"].items():
+      if "seconds" not in window:
+        continue
+      if name == ("transfer" if "send_start" in probe["stamps"] else "receive"):
+        cpu.append(window["machine"]["process_cpu"])
+      print(f"    {name} window {window['seconds']:.3f} s; machine: {window['machine']}")
+      busy = sorted(window["per_thread"].items(), key=lambda kv: -kv[1]["cpu"])
+      for thread, d in busy[:12]:
+        print(f"      {thread}: {d}")
+  print(f"    peer transfer: CPU of both processes {sum(cpu):.3f} s (holder sending, receiver "
+        "receiving)")
 
 
 def _chaos_plan(seed, steps):

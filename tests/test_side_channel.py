@@ -433,6 +433,17 @@ class _AlteringSocket:
     return len(data)
 
 
+def _copy_of(tmp_path, entries, used):
+  """(the receiver's layout, the header of a COPY frame of step 7 whose slot holds `entries`)."""
+  layout = layout_lib.Layout(str(tmp_path / "receiver"), "ckpt")
+  os.makedirs(layout.directory)
+  man = {"prefix": "ckpt-7", "step": 7, "checkpoint_number": 7, "tier": "local",
+         "files": [{"name": "ckpt.slot-0", "size": used,
+                    "entries": [[e.key, e.dtype, e.shape, e.offset, e.size, e.crc32c]
+                                for e in entries]}]}
+  return layout, {"kind": wire.COPY, "step": 7, "from": 0, "manifest": json.dumps(man)}
+
+
 def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(tmp_path):
   """A copy's bytes land in a slot while another thread checks them: its CRC32Cs and the frame's MAC.
 
@@ -448,13 +459,7 @@ def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(t
   gap = next(e.offset + e.size for e in entries if e.key == "a")
   inside = next(e.offset for e in entries if e.key == "b") + (7 << 20) + 5
   assert gap < next(e.offset for e in entries if e.key == "b")
-  layout = layout_lib.Layout(str(tmp_path / "receiver"), "ckpt")
-  os.makedirs(layout.directory)
-  man = {"prefix": "ckpt-7", "step": 7, "checkpoint_number": 7, "tier": "local",
-         "files": [{"name": "ckpt.slot-0", "size": used,
-                    "entries": [[e.key, e.dtype, e.shape, e.offset, e.size, e.crc32c]
-                                for e in entries]}]}
-  header = {"kind": wire.COPY, "step": 7, "from": 0, "manifest": json.dumps(man)}
+  layout, header = _copy_of(tmp_path, entries, used)
   for altered, refused in ((None, None), (inside, "crc"), (gap, "frame MAC")):
     sender, receiver = _channels()
     if altered is not None:
@@ -480,6 +485,51 @@ def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(t
       receiver.close()  # A refused copy's sender may still be sending.
       thread.join(timeout=10)
       offer.slot.close()
+
+
+def _mapped(path: str) -> int:
+  """Bytes of file `path` this process has mapped in now (the Rss of its mappings)."""
+  total, here = 0, False
+  with open("/proc/self/smaps") as f:
+    for line in f:
+      if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+        here = line.rstrip("\n").endswith(" " + path)
+      elif here and line.startswith("Rss:"):
+        total += int(line.split()[1]) << 10
+  return total
+
+
+def test_a_received_copy_lands_through_its_slot_file_not_a_fault_per_page_of_its_mapping(tmp_path):
+  """The receiver writes a copy's bytes to its slot's file (the page cache takes them), checked as they land.
+
+  Faulting a fresh tmpfs slot's pages into the receiving mapping (each one
+  zeroed first) cost the receiver of 1 GB twice the CPU of writing the same
+  bytes to the file, and made the whole peer recovery 4-10x a raw transfer
+  on busy cores (issue 45, docs/performance.md). Here 96 MB land without
+  a page of the slot's mapping touched; the bytes read back are those sent.
+  """
+  holder = slots.Slot(str(tmp_path / "holder" / "ckpt.slot-0"))
+  os.makedirs(os.path.dirname(holder.path))
+  value = np.random.default_rng(0).random(12 << 20)  # 96 MB of float64
+  entries, used = holder.fill([slots.source("w", value)])
+  layout, header = _copy_of(tmp_path, entries, used)
+  sender, receiver = _channels()
+  thread = threading.Thread(target=lambda: sender.send_file(header, holder.path, used),
+                            daemon=True)
+  thread.start()
+  offer = copies.incoming(layout, slots.Slot(layout.slot(1)), 7,
+                          receiver.read_header()["manifest"], [used])
+  try:
+    offer.receive(receiver)
+    receiver.end_frame()
+    mapped = _mapped(layout.slot(1))  # The slot stays mapped (Slot.receivable) until closed.
+  finally:
+    receiver.close()
+    thread.join(timeout=10)
+    offer.slot.close()
+  assert mapped < used // 8, (mapped, used)  # Through the mapping: all of it.
+  got = slot_file.read(layout.slot(1), offer.manifest.slot.entries, used)
+  assert np.array_equal(got["w"], value)
 
 
 def test_a_frames_blobs_pass_only_under_their_directions_derived_key_and_its_construction():

@@ -11,7 +11,7 @@ takes it, is an object with `add(phase, seconds)`
 (tfdp.checkpoint.local.phases.PhaseTimes) its phases' seconds are added to.
 """
 
-import ctypes
+import collections
 import mmap
 import os
 import struct
@@ -195,179 +195,189 @@ def read(path: str, entries: list, size: int, checked: bool = False, times=None)
   return out
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without touching their bytes.
-_libc = ctypes.CDLL(None, use_errno=True)  # Its calls release the GIL.
-
-
-class _Prefault:
-  """Makes a slot's pages ready on a thread of its own, ahead of the bytes being received into them.
-
-  A fresh slot is a hole: each range is allocated (`allocate`, where the
-  caller passes one) before the receiving thread may write there (`wait`),
-  and its pages faulted in (MADV_POPULATE_WRITE: as a write would, without
-  writing a byte), so that the receiving thread's `recv_into` only copies.
-  Both run beside the transfer instead of before it or inside it. Faulting
-  writes nothing, so it may run anywhere beside the receiving thread; where
-  the kernel lacks it, only the allocation runs here.
-  """
-
-  def __init__(self, dst: np.ndarray, allocate):
-    self._addr, self._size, self._allocate = dst.ctypes.data, dst.nbytes, allocate
-    self._cond = threading.Condition()
-    self.ready = 0 if allocate is not None else self._size  # Bytes the receiver may write.
-    self.error, self.stop = None, False
-
-  def run(self) -> None:
-    populate, at = self._addr % mmap.PAGESIZE == 0, 0
-    try:
-      while at < self._size and not self.stop:
-        n = min(8 * CHUNK, self._size - at)
-        if self._allocate is not None:
-          self._allocate(at, at + n)
-          with self._cond:  # The receiver waits for the allocation only, not for the faults.
-            self.ready = at + n
-            self._cond.notify_all()
-        if populate and _libc.madvise(ctypes.c_void_p(self._addr + at), ctypes.c_size_t(n),
-                                      _MADV_POPULATE_WRITE) != 0:
-          populate = False
-          if self._allocate is None:
-            return
-        at += n
-    except BaseException as e:  # pylint: disable=broad-except
-      with self._cond:
-        self.error = e
-        self._cond.notify_all()
-
-  def wait(self, end: int) -> None:
-    """Until bytes [0, end) may be written (raises what the allocation raised)."""
-    if self.ready >= end:
-      return
-    with self._cond:
-      while self.ready < end and self.error is None:
-        self._cond.wait()
-    if self.error is not None:
-      raise self.error
+_PIECES = 8  # Buffers of CHUNK bytes in flight between `receive`'s threads.
 
 
 def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
-            allocate=None) -> None:
+            allocate=None, path: str | None = None) -> None:
   """Fills `dst` from a socket's `recv_into`, checking each tensor's CRC32C as its bytes land.
 
-  One pass over the bytes: this thread only receives; a third thread
-  (`_Prefault`) allocates and faults in the pages ahead of it; a checking
-  thread follows it over what has landed, a piece of at most CHUNK bytes
-  at a time while the piece is in the cache, extending each tensor's CRC32C
-  (and `digest`), so that the check of piece k runs while piece k+1
-  arrives (both release the GIL). Fixed-size tensors are checked as they
-  complete, strings once all is here. The first mismatch stops the
-  receiving. `times` gets the seconds waited for bytes (`recv`) and for
-  their room to be allocated (`allocate`), the checking thread's own
-  seconds (`land_check`, overlapped with `recv`) and those after the last
-  byte until all is checked (`land_tail`).
+  One pass, three threads, a few buffers of CHUNK bytes that stay in the
+  cache: this one allocates the slot's next range ahead of the bytes
+  (`allocate`) and receives into a free buffer; a checking thread extends
+  each tensor's CRC32C (and `digest`) over each buffer in order; a storing
+  thread then writes it to the slot's file `path` (the page cache takes the
+  bytes: no page of a mapping faulted in, no fresh tmpfs page zeroed
+  first), or copies it into `dst`, and frees the buffer. Piece k is checked
+  and stored while piece k+1 arrives (each call releases the GIL). Strings
+  are checked once all is here. The first mismatch stops the receiving.
+  `times` gets the seconds waited for bytes (`recv`), for a free buffer
+  (`land_behind`: the other two behind) and allocating (`allocate`), the
+  checking thread's (`land_check`) and the storing thread's (`land_write`),
+  and those from the last byte until all is checked and stored (`land_tail`).
 
   Args:
     recv_into: a socket's `recv_into` (the bytes as they come).
-    dst: where they land (a slot's first bytes).
+    dst: where they land (a slot's first bytes, mapped).
     entries: the copy's record's tensors (checked by `check_entries`).
     times: a PhaseTimes, or None.
     digest: `fn(bytes)`, fed every byte of `dst` in order on the checking
       thread (the frame's MAC: tfdp.checkpoint.local.channel.Channel), or None.
-    allocate: `fn(start, end)` that allocates those bytes of `dst`'s file,
-      called ahead of the bytes on a third thread (`dst` is a hole until
-      then; tfdp.checkpoint.local.slots.Slot.receivable), or None
-      (allocated already).
+    allocate: `fn(start, end)` that allocates those bytes of `dst`'s file
+      before a byte is stored there (`dst` is a hole until then: a full disk
+      is its error, never a write into a hole, SIGBUS through a mapping;
+      tfdp.checkpoint.local.slots.Slot.receivable), or None.
+    path: the file `dst` maps, or None (the bytes are copied into `dst`).
 
   Raises:
     ConnectionError: the sender stopped before `dst` was full.
     ValueError: naming the first tensor whose bytes do not match.
+    What `allocate` or a write raised (a full disk).
   """
-  check = _Landing(dst, entries, digest)
-  thread = threading.Thread(target=check.run, name="tfdp-land-check", daemon=True)
-  thread.start()
-  prefault = _Prefault(dst, allocate)
-  threading.Thread(target=prefault.run, name="tfdp-land-prefault", daemon=True).start()
-  pos, waited, allocating = 0, 0.0, 0.0
+  fd = private.open_file(path, os.O_WRONLY) if path is not None else None
+  checks = _Checks(entries, digest)
+  pipe = _Pipe(len(dst), (checks, lambda at, piece: _store(dst, fd, at, piece)))
+  threads = [threading.Thread(target=pipe.run, args=(k,), name=name, daemon=True)
+             for k, name in enumerate(("tfdp-land-check", "tfdp-land-store"))]
+  for thread in threads:
+    thread.start()
+  pos, room = 0, 0 if allocate is not None else len(dst)
+  waited = behind = allocating = 0.0
+  last = None
   try:
-    while pos < len(dst) and check.error is None:
+    while pos < len(dst):
       t = time.perf_counter()
-      prefault.wait(min(pos + CHUNK, len(dst)))
+      buf = pipe.buffer()
+      behind += time.perf_counter() - t
+      if buf is None:  # A stage stopped: its error is raised below.
+        break
+      n, want = 0, min(len(buf), len(dst) - pos)
+      t = time.perf_counter()
+      if pos + want > room:  # 16 MB at a time, before any of its bytes is stored.
+        start, room = room, min(len(dst), room + 8 * CHUNK)
+        allocate(start, room)
       allocating += time.perf_counter() - t
       t = time.perf_counter()
-      k = recv_into(dst[pos:pos + CHUNK])
+      while n < want:
+        k = recv_into(buf[n:want])
+        if not k:
+          raise ConnectionError("the sender stopped in the middle of the copy")
+        n += k
       waited += time.perf_counter() - t
-      if not k:
-        raise ConnectionError("the sender stopped in the middle of the copy")
-      pos += k
-      check.landed(pos)
-  except BaseException:
-    prefault.stop = True
-    check.landed(pos, final=True, abort=True)  # Nothing of a cut copy is kept: not checked.
-    thread.join()
-    raise
-  prefault.stop = True
-  last = time.perf_counter()
-  check.landed(pos, final=True)
-  thread.join()
-  if times is not None:
-    times.add("allocate", allocating)  # Waited for, beside the transfer.
-    times.add("recv", waited)
-    times.add("land_check", check.busy)
-    times.add("land_tail", time.perf_counter() - last)
-  if check.error is not None:
-    raise ValueError(check.error)
+      pipe.put(0, (pos, buf, n))
+      pos += n
+    last = time.perf_counter()
+  finally:
+    pipe.end(0, abort=last is None)  # Nothing of a cut copy is kept: not checked.
+    for thread in threads:
+      thread.join()
+    if fd is not None:
+      os.close(fd)
+  for phase, seconds in (("recv", waited), ("land_behind", behind), ("allocate", allocating),
+                         ("land_check", pipe.busy[0]), ("land_write", pipe.busy[1]),
+                         ("land_tail", time.perf_counter() - last)):
+    if times is not None:
+      times.add(phase, seconds)
+  if pipe.error is not None:
+    raise pipe.error
+  checks.finish()
   for e in entries:
     if e.dtype == "string" and crc_of(e, dst[e.offset:e.offset + e.size]) != e.crc32c:
       raise ValueError(f"tensor {e.key!r} does not match its CRC32C")
 
 
-class _Landing:
-  """The checking thread of `receive`: follows the bytes landed, CHUNK by CHUNK, as they come."""
+def _store(dst, fd, at: int, piece) -> None:
+  if fd is None:
+    dst[at:at + len(piece)] = piece
+  while fd is not None and len(piece):  # os.pwrite may write a part.
+    n = os.pwrite(fd, piece, at)
+    piece, at = piece[n:], at + n
 
-  def __init__(self, dst, entries, digest):
-    self._dst, self._digest = dst, digest
-    self._numeric = sorted((e for e in entries if e.dtype != "string"), key=lambda e: e.offset)
+
+class _Pipe:
+  """`receive`'s pieces between its threads: free buffers, then received (to check), then checked (to store).
+
+  Each stage's thread takes its pieces in order; the first error stops them all.
+  """
+
+  def __init__(self, size: int, stages):
     self._cond = threading.Condition()
-    self._landed, self._final, self._abort = 0, False, False
-    self.error, self.busy = None, 0.0
+    self._free = [np.empty(min(CHUNK, size), np.uint8) for _ in range(_PIECES)]
+    self._stages = stages  # fn(at, piece) of each stage, in order.
+    self._queues = [collections.deque() for _ in stages]
+    self._ended = [False] * len(stages)  # Nothing more will come to that stage.
+    self.busy, self.error, self._abort = [0.0] * len(stages), None, False
 
-  def landed(self, pos: int, final: bool = False, abort: bool = False) -> None:
-    """The first `pos` bytes are in `dst` (`final`: no more will come; `abort`: stop checking)."""
+  def buffer(self):
+    """A free buffer (waits for one); None once a stage failed."""
     with self._cond:
-      self._landed, self._final, self._abort = pos, final, abort
-      self._cond.notify()
+      while not self._free and self.error is None:
+        self._cond.wait()
+      return self._free.pop() if self.error is None else None
 
-  def run(self) -> None:
-    at, i, crc = 0, 0, 0
-    numeric, dst = self._numeric, self._dst
-    while True:
-      with self._cond:
-        while self._landed == at and not self._final:
-          self._cond.wait()
-        upto, final = self._landed, self._final
-      start = time.perf_counter()
-      while at < upto and not self._abort:
-        end = min(upto, at + CHUNK)
-        if self._digest is not None:
-          self._digest(dst[at:end])
-        while i < len(numeric) and numeric[i].offset < end:
-          e = numeric[i]
-          a, b = max(at, e.offset), min(end, e.offset + e.size)
-          if b > a:
-            crc = checksum.extend(crc, dst[a:b])
-          if e.offset + e.size > end:
+  def put(self, k: int, piece) -> None:
+    """Hands `piece` (at, buffer, bytes) to stage k (past the last: its buffer is free again)."""
+    with self._cond:
+      if k < len(self._queues):
+        self._queues[k].append(piece)
+      else:
+        self._free.append(piece[1])
+      self._cond.notify_all()
+
+  def end(self, k: int, abort: bool = False) -> None:
+    """Nothing more comes to stage k (`abort`: every stage stops at once)."""
+    with self._cond:
+      if k < len(self._ended):
+        self._ended[k] = True
+      self._abort = self._abort or abort
+      self._cond.notify_all()
+
+  def run(self, k: int) -> None:
+    """Stage k's thread."""
+    try:
+      while True:
+        with self._cond:
+          while not (self._queues[k] or self._ended[k] or self._abort or self.error):
+            self._cond.wait()
+          if self._abort or self.error is not None or not self._queues[k]:
             break
-          if crc != e.crc32c:
-            self.error = f"tensor {e.key!r} does not match its CRC32C"
-            return
-          i, crc = i + 1, 0
-        at = end
-      self.busy += time.perf_counter() - start
-      if self._abort:
-        return
-      if final and at == upto:
-        if at == len(dst):
-          for e in numeric[i:]:  # Empty ones at the very end.
-            if e.crc32c != 0 or e.size:
-              self.error = f"tensor {e.key!r} does not match its CRC32C"
-              return
-        return
+          at, buf, n = self._queues[k].popleft()
+        t = time.perf_counter()
+        self._stages[k](at, buf[:n])
+        self.busy[k] += time.perf_counter() - t
+        self.put(k + 1, (at, buf, n))
+    except BaseException as e:  # pylint: disable=broad-except
+      with self._cond:
+        self.error = self.error or e
+        self._cond.notify_all()
+    finally:
+      self.end(k + 1)
+
+
+class _Checks:
+  """Each fixed-size tensor's CRC32C (and `digest`) extended over the slot's bytes, given in order."""
+
+  def __init__(self, entries, digest):
+    self._numeric = sorted((e for e in entries if e.dtype != "string"), key=lambda e: e.offset)
+    self._digest, self._i, self._crc = digest, 0, 0  # The next tensor, its CRC32C so far.
+
+  def __call__(self, at: int, piece) -> None:
+    if self._digest is not None:
+      self._digest(piece)
+    numeric, end = self._numeric, at + len(piece)
+    while self._i < len(numeric) and numeric[self._i].offset < end:
+      e = numeric[self._i]
+      a, b = max(at, e.offset), min(end, e.offset + e.size)
+      if b > a:
+        self._crc = checksum.extend(self._crc, piece[a - at:b - at])
+      if e.offset + e.size > end:
+        break
+      if self._crc != e.crc32c:
+        raise ValueError(f"tensor {e.key!r} does not match its CRC32C")
+      self._i, self._crc = self._i + 1, 0
+
+  def finish(self) -> None:
+    """All bytes were given: the tensors left (empty ones at the very end) must be empty."""
+    for e in self._numeric[self._i:]:
+      if e.crc32c != 0 or e.size:
+        raise ValueError(f"tensor {e.key!r} does not match its CRC32C")

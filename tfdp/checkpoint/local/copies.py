@@ -158,8 +158,8 @@ class Incoming:
   manifest: manifest_lib.Manifest
   slot: slots.Slot | None
   size: int
-  # `allocate`, `recv`, `land_check`, `land_tail` (on the side channel's threads): the restore
-  # adds them to its own.
+  # `allocate`, `recv`, `land_behind`, `land_check`, `land_write`, `land_tail` (on the side
+  # channel's threads): the restore adds them to its own.
   times: phases_lib.PhaseTimes = dataclasses.field(default_factory=phases_lib.PhaseTimes)
 
   def receive(self, conn) -> None:
@@ -173,12 +173,15 @@ class Incoming:
       ConnectionError: the sender stopped in the middle.
       wire.Refused: a tensor's bytes do not match the offered record.
     """
-    with self.times.timed("allocate"):  # Mapped; allocated beside the transfer (Slot.receivable).
+    with self.times.timed("allocate"):  # Mapped; allocated as the bytes land (Slot.receivable).
       dst, allocate = self.slot.receivable(self.size)
     reader = getattr(conn, "blob_reader", None)
     recv_into, digest = reader() if reader is not None else (conn.recv_into, None)
     try:
-      slot_file.receive(recv_into, dst, self.manifest.slot.entries, self.times, digest, allocate)
+      # Written to the slot's file, not through its mapping: the page cache
+      # takes them without a page fault or a zeroed page each.
+      slot_file.receive(recv_into, dst, self.manifest.slot.entries, self.times, digest, allocate,
+                        path=self.slot.path)
     except ValueError as e:
       raise wire.Refused(f"a copy whose bytes do not match its record: {e}", "crc") from None
 
