@@ -15,11 +15,13 @@ measured. The phases:
   each object's `_restore_from_tensors` (tfdp.checkpoint.format.items).
 - `index`, `before_restore`, `per_worker`: the TF index over the slot, the
   caller's checks, this worker's own per-worker state.
-- Peer recovery: `allocate` (the receiving slot), `recv` (the receiving
-  thread waiting for bytes), `land_check` (the checking thread's seconds:
-  each landed piece's CRC32C and the frame's MAC, overlapped with `recv`),
-  `land_tail` (from the last byte until all is checked; on the side
-  channel's threads, kept by the copy received,
+- Peer recovery: `allocate` (the receiving thread allocating the slot,
+  16 MB ahead of the bytes), `recv` (waiting for bytes), `land_behind`
+  (waiting for a free buffer), `land_check` (the checking thread: each
+  piece's CRC32C and the frame's MAC), `land_write` (the storing thread
+  writing each piece to the slot's file), `land_tail` (from the last byte
+  until all is checked and stored; all on the side channel's threads, kept
+  by the copy received,
   tfdp.checkpoint.local.copies.Incoming, and added to the restore's),
   `wait` (the restore waiting for the copy, the ones above inside it),
   `commit` (the received copy made this worker's own), `send` (a holder

@@ -239,10 +239,10 @@ class Slot:
     """(the slot's first `size` bytes, `allocate(start, end)`), to receive a copy into (its places are forgotten).
 
     The bytes of a fresh slot are not allocated yet: the receiver allocates
-    each range with `allocate` before its bytes land there, on a thread
-    beside the receiving one (tfdp.checkpoint.format.slot_file.receive), so
-    that a fresh tmpfs's allocation of 1 GB (about 0.2 s here) overlaps the
-    transfer. A full disk still fails in `allocate` (CheckpointError), before
+    each range with `allocate` 16 MB ahead of the bytes, which are written
+    to the file, not through the mapping
+    (tfdp.checkpoint.format.slot_file.receive), so that a fresh tmpfs's
+    allocation of 1 GB (about 0.2 s here) is spread over the transfer. A full disk still fails in `allocate` (CheckpointError), before
     any byte is written into the range it refused: a write into a hole of a
     full tmpfs would end the process (SIGBUS). A slot already mapped that
     big is allocated already.
