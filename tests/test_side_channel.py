@@ -8,6 +8,7 @@ bitwise equal to an uninterrupted run (tests/test_recovery.py checks that).
 """
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -464,12 +465,7 @@ def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(t
     sender, receiver = _channels()
     if altered is not None:
       sender.sock = _AlteringSocket(sender.sock, altered)
-    thread = threading.Thread(target=lambda: sender.send_file(header, holder.path, used),
-                              daemon=True)
-    thread.start()
-    offer = copies.incoming(layout, slots.Slot(layout.slot(1)), 7,
-                            receiver.read_header()["manifest"], [used])
-    try:
+    with _offered(layout, header, holder.path, used, sender, receiver) as offer:
       if refused is None:
         offer.receive(receiver)
         receiver.end_frame()
@@ -481,10 +477,21 @@ def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(t
           offer.receive(receiver)
           receiver.end_frame()
         assert e.value.key == refused, e.value
-    finally:
-      receiver.close()  # A refused copy's sender may still be sending.
-      thread.join(timeout=10)
-      offer.slot.close()
+
+
+@contextlib.contextmanager
+def _offered(layout, header, path, used, sender, receiver):
+  """The copy in slot file `path` offered by `sender` (a thread sends it) to `receiver`, as slot 1 of `layout`."""
+  thread = threading.Thread(target=lambda: sender.send_file(header, path, used), daemon=True)
+  thread.start()
+  offer = copies.incoming(layout, slots.Slot(layout.slot(1)), 7,
+                          receiver.read_header()["manifest"], [used])
+  try:
+    yield offer
+  finally:
+    receiver.close()  # A refused copy's sender may still be sending.
+    thread.join(timeout=10)
+    offer.slot.close()
 
 
 def _mapped(path: str) -> int:
@@ -514,19 +521,10 @@ def test_a_received_copy_lands_through_its_slot_file_not_a_fault_per_page_of_its
   entries, used = holder.fill([slots.source("w", value)])
   layout, header = _copy_of(tmp_path, entries, used)
   sender, receiver = _channels()
-  thread = threading.Thread(target=lambda: sender.send_file(header, holder.path, used),
-                            daemon=True)
-  thread.start()
-  offer = copies.incoming(layout, slots.Slot(layout.slot(1)), 7,
-                          receiver.read_header()["manifest"], [used])
-  try:
+  with _offered(layout, header, holder.path, used, sender, receiver) as offer:
     offer.receive(receiver)
     receiver.end_frame()
     mapped = _mapped(layout.slot(1))  # The slot stays mapped (Slot.receivable) until closed.
-  finally:
-    receiver.close()
-    thread.join(timeout=10)
-    offer.slot.close()
   assert mapped < used // 8, (mapped, used)  # Through the mapping: all of it.
   got = slot_file.read(layout.slot(1), offer.manifest.slot.entries, used)
   assert np.array_equal(got["w"], value)
