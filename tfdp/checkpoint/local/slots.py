@@ -242,10 +242,11 @@ class Slot:
     each range with `allocate` 16 MB ahead of the bytes, which are written
     to the file, not through the mapping
     (tfdp.checkpoint.format.slot_file.receive), so that a fresh tmpfs's
-    allocation of 1 GB (about 0.2 s here) is spread over the transfer. A full disk still fails in `allocate` (CheckpointError), before
-    any byte is written into the range it refused: a write into a hole of a
-    full tmpfs would end the process (SIGBUS). A slot already mapped that
-    big is allocated already.
+    allocation of 1 GB (about 0.2 s here) is spread over the transfer. A
+    full disk still fails in `allocate` (CheckpointError), before any byte
+    is written into the range it refused: a write into a hole of a full
+    tmpfs would end the process (SIGBUS). A slot already mapped that big is
+    allocated already.
     """
     with self._lock:
       self._ensure(size, allocate=False)
