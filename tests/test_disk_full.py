@@ -107,14 +107,14 @@ a, b = socket.socketpair()
 threading.Thread(target=lambda: (a.sendall(data), a.close()), daemon=True).start()
 dst, allocate = slots.Slot(sys.argv[2]).receivable(used)
 try:
-  slot_file.receive(b.recv_into, dst, entries, allocate=allocate)
+  slot_file.receive(b.recv_into, dst, entries, sys.argv[2], allocate=allocate)
 except errors.CheckpointError as e:
   print("refused:", e)
 """
 
 
 def test_a_copy_received_onto_a_full_disk_is_refused_in_one_error(small_disk, tmp_path):
-  """The receiving slot is allocated beside the transfer: a full disk is a CheckpointError, never a write into a hole (SIGBUS)."""
+  """The receiving slot is allocated ahead of the bytes written to it: a full disk is a CheckpointError, never a write into a hole (SIGBUS)."""
   p = subprocess.run([sys.executable, "-c", _RECEIVE, str(tmp_path / "ckpt.slot-0"),
                       str(small_disk.path / "ckpt.slot-1")], cwd=REPO, capture_output=True,
                      text=True, timeout=120, check=False)
@@ -139,7 +139,7 @@ dst, allocate = target.receivable(used)
 for attempt in ("receive", "fill"):
   try:
     if attempt == "receive":
-      slot_file.receive(b.recv_into, dst, entries, allocate=allocate)
+      slot_file.receive(b.recv_into, dst, entries, target.path, allocate=allocate)
     else:
       target.fill(sources)
   except errors.CheckpointError as e:

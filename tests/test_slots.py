@@ -113,7 +113,7 @@ def test_bytes_received_from_a_socket_are_checked_as_they_land(tmp_path):
     threading.Thread(target=lambda: (a.sendall(data), a.close()), daemon=True).start()
     try:
       dst, allocate = target.receivable(used)
-      slot_file.receive(b.recv_into, dst, entries, allocate=allocate)
+      slot_file.receive(b.recv_into, dst, entries, target.path, allocate=allocate)
     finally:
       b.close()
 

@@ -198,8 +198,8 @@ def read(path: str, entries: list, size: int, checked: bool = False, times=None)
 _PIECES = 8  # Buffers of CHUNK bytes in flight between `receive`'s threads.
 
 
-def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
-            allocate=None, path: str | None = None) -> None:
+def receive(recv_into, dst: np.ndarray, entries: list, path: str, times=None, digest=None,
+            allocate=None) -> None:
   """Fills `dst` from a socket's `recv_into`, checking each tensor's CRC32C as its bytes land.
 
   One pass, three threads, a few buffers of CHUNK bytes that stay in the
@@ -208,7 +208,7 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
   each tensor's CRC32C (and `digest`) over each buffer in order; a storing
   thread then writes it to the slot's file `path` (the page cache takes the
   bytes: no page of a mapping faulted in, no fresh tmpfs page zeroed
-  first), or copies it into `dst`, and frees the buffer. Piece k is checked
+  first) and frees the buffer. Piece k is checked
   and stored while piece k+1 arrives (each call releases the GIL). Strings
   are checked once all is here. The first mismatch stops the receiving.
   `times` gets the seconds waited for bytes (`recv`), for a free buffer
@@ -218,8 +218,9 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
 
   Args:
     recv_into: a socket's `recv_into` (the bytes as they come).
-    dst: where they land (a slot's first bytes, mapped).
+    dst: the slot's first bytes, mapped (its strings are checked there once all is in).
     entries: the copy's record's tensors (checked by `check_entries`).
+    path: the slot's file, which `dst` maps: where the bytes are written.
     times: a PhaseTimes, or None.
     digest: `fn(bytes)`, fed every byte of `dst` in order on the checking
       thread (the frame's MAC: tfdp.checkpoint.local.channel.Channel), or None.
@@ -227,16 +228,15 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
       before a byte is stored there (`dst` is a hole until then: a full disk
       is its error, never a write into a hole, SIGBUS through a mapping;
       tfdp.checkpoint.local.slots.Slot.receivable), or None.
-    path: the file `dst` maps, or None (the bytes are copied into `dst`).
 
   Raises:
     ConnectionError: the sender stopped before `dst` was full.
     ValueError: naming the first tensor whose bytes do not match.
     What `allocate` or a write raised (a full disk).
   """
-  fd = private.open_file(path, os.O_WRONLY) if path is not None else None
+  fd = private.open_file(path, os.O_WRONLY)
   checks = _Checks(entries, digest)
-  pipe = _Pipe(len(dst), (checks, lambda at, piece: _store(dst, fd, at, piece)))
+  pipe = _Pipe(len(dst), (checks, lambda at, piece: _store(fd, at, piece)))
   threads = [threading.Thread(target=pipe.run, args=(k,), name=name, daemon=True)
              for k, name in enumerate(("tfdp-land-check", "tfdp-land-store"))]
   for thread in threads:
@@ -271,8 +271,7 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
     pipe.end(0, abort=last is None)  # Nothing of a cut copy is kept: not checked.
     for thread in threads:
       thread.join()
-    if fd is not None:
-      os.close(fd)
+    os.close(fd)
   for phase, seconds in (("recv", waited), ("land_behind", behind), ("allocate", allocating),
                          ("land_check", pipe.busy[0]), ("land_write", pipe.busy[1]),
                          ("land_tail", time.perf_counter() - last)):
@@ -286,10 +285,9 @@ def receive(recv_into, dst: np.ndarray, entries: list, times=None, digest=None,
       raise ValueError(f"tensor {e.key!r} does not match its CRC32C")
 
 
-def _store(dst, fd, at: int, piece) -> None:
-  if fd is None:
-    dst[at:at + len(piece)] = piece
-  while fd is not None and len(piece):  # os.pwrite may write a part.
+def _store(fd: int, at: int, piece) -> None:
+  """Writes a checked piece at byte `at` of the slot's file."""
+  while len(piece):  # os.pwrite may write a part.
     n = os.pwrite(fd, piece, at)
     piece, at = piece[n:], at + n
 

@@ -180,8 +180,8 @@ class Incoming:
     try:
       # Written to the slot's file, not through its mapping: the page cache
       # takes them without a page fault or a zeroed page each.
-      slot_file.receive(recv_into, dst, self.manifest.slot.entries, self.times, digest, allocate,
-                        path=self.slot.path)
+      slot_file.receive(recv_into, dst, self.manifest.slot.entries, self.slot.path, self.times,
+                        digest, allocate)
     except ValueError as e:
       raise wire.Refused(f"a copy whose bytes do not match its record: {e}", "crc") from None
 
