@@ -108,7 +108,8 @@ def test_kill_and_link_cut_across_namespaces_end_bitwise_equal(two_hosts, tmp_pa
   cutter = threading.Thread(target=cut_the_link, daemon=True)
   cutter.start()
   code = launch.launch(
-      ft_common.command(model_dir, ft_common.TEST_FLAGS), 2, env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan)),
+      ft_common.command(model_dir, ft_common.TEST_FLAGS), 2,
+      env=ft_common.env(FT_CHAOS_PLAN=json.dumps(plan)),
       out=out, grace_seconds=5, max_restarts=2, hang_timeout=30,
       hosts=two_hosts["hosts"], wrapper=two_hosts["wrapper"])
   cutter.join(timeout=10)
