@@ -1,6 +1,6 @@
 """Where a saving step's time goes: the issue-45 user script, one variant per process, one JSON line.
 
-    python scripts/bench_step_cost.py VARIANT CORES STEPS [ROOT] [--paired=B] [--layers=N]
+    python scripts/bench_step_cost.py VARIANT CORES STEPS [ROOT] [--paired=B] [--layers=N] [--cow=1]
 
 A user's plain script: `MirroredStrategy` over 2 logical CPUs, a 1.41M-
 parameter MLP with Adam (16.9 MB of state), `shuffle(2048)`, `model.fit`
@@ -13,15 +13,20 @@ VARIANT:
   every1_nowrite every step, the local writer replaced by nothing (what the
                  training thread pays alone);
   every1_nocrc   every step without the CRC32C (what the checksum costs);
-  floor1         the callback never saving, and at every step a thread
-                 copies and checksums a buffer of the state's size: the
-                 floor of any local save every step on this machine (its
-                 copy and CRC32C on the other core, nothing of tfdp's).
+  floor1, floor5 the callback never saving, and at every step (every 5th
+                 step) a thread copies and checksums a buffer of the
+                 state's size: the floor of any local save every step
+                 (every 5) on this machine (its copy and CRC32C on the
+                 other core, nothing of tfdp's).
 CORES: free (training in one thread: intra- and inter-op threads 1, a core
   left free as on a GPU host) or busy (TF's defaults: both cores train).
 --layers=N: N more Dense(10) layers at the end (6 more tensors each with
   Adam's slots): a model of many tensors, as real models are (ResNet-50 has
   about 480 to save), for the cost per tensor.
+--cow=1: reports `cow_steps`, the steps after step 100 at which TF copied
+  the first layers' variables before updating them (their buffers moved):
+  a snapshot the writer still held (copy-on-write, on the training side).
+  It reads those variables at every batch begin (a few small ops a step).
 ROOT: where the backup goes (default /tmp/b45); the local tier goes to its
   default directory (/dev/shm).
 
@@ -51,7 +56,7 @@ import time
 
 flags = {a[2:].split("=", 1)[0]: int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--")}
 argv = [a for a in sys.argv if not a.startswith("--")]
-paired, layers = flags.get("paired"), flags.get("layers", 0)
+paired, layers, cow = flags.get("paired"), flags.get("layers", 0), flags.get("cow")
 variant, cores, steps = argv[1], argv[2], int(argv[3])
 root = os.path.join(argv[4] if len(argv) > 4 else "/tmp/b45", f"{variant}-{os.getpid()}")
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -134,7 +139,9 @@ with strategy.scope():  # 1.41M parameters: 16.9 MB with Adam's two slots.
                            + [keras.layers.Dense(10) for _ in range(layers)])
   model.compile(optimizer=keras.optimizers.Adam(1e-3),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-every = {"never": None, "every5": 5, "auto": "auto", "async50": None, "floor1": None}.get(variant, 1)
+floor_every = int(variant[5:]) if variant.startswith("floor") else None
+every = {"never": None, "every5": 5, "auto": "auto", "async50": None}.get(
+    variant, None if floor_every else 1)
 kw = dict(save_freq=50, async_save=True) if variant == "async50" else dict(save_freq=False)
 if every is not None:
   kw.update(local_checkpoint_every_steps=every)
@@ -159,21 +166,33 @@ def floor_writer():
     writer_cpu.append(time.thread_time() - start)
 
 
-if variant == "floor1":
+if floor_every:
   threading.Thread(target=floor_writer, daemon=True).start()
 
 
 begins = []
+buffers = []  # With --cow: the first layers' variables' buffer addresses at each batch begin.
+
+
+def buffer_addresses():
+  """Where the first two layers' variables' bytes are now (one replica's copy; read, then let go)."""
+  out = []
+  for v in model.weights[:4]:
+    value = tf.convert_to_tensor(getattr(v, "value", v))
+    out.append(value._numpy().ctypes.data)  # pylint: disable=protected-access
+  return tuple(out)
 
 
 class Stamp(keras.callbacks.Callback):
 
   def on_train_batch_begin(self, batch, logs=None):
     begins.append(time.perf_counter())
+    if cow:
+      buffers.append(buffer_addresses())
 
   def on_train_batch_end(self, batch, logs=None):
     stamps.append(time.perf_counter())
-    if variant == "floor1" and not off_block():
+    if floor_every and len(stamps) % floor_every == 0 and not off_block():
       due.release()
 
 
@@ -200,4 +219,6 @@ print(json.dumps({
     "pairs": len(ratios),
     "saves_written": len(writer_cpu), "persistent_at": persistent_steps[:12],
     "process_cpu_s": round(cpu, 2),
-    "state_mb": round(params * 4 * 3 / 1e6, 1), "layers": layers}), flush=True)
+    "state_mb": round(params * 4 * 3 / 1e6, 1), "layers": layers,
+    **({"cow_steps": sum(a != b for a, b in zip(buffers[100:], buffers[101:])),
+        "of_steps": len(buffers[101:])} if cow else {})}), flush=True)
