@@ -101,3 +101,23 @@ def test_the_global_step_is_the_optimizers_iterations_under_a_strategy():
     model.compile(optimizer="sgd", loss="mse")
   model.fit(np.zeros((8, 2)), np.zeros((8, 1)), batch_size=4, epochs=1, verbose=0)
   assert train_state.global_step(model) == int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_the_object_graph_is_one_tensor_at_every_read_until_the_objects_change():
+  """The traced read's object graph is a constant of its trace: one tensor, so the local writer makes it into bytes once, not at every save."""
+  module = tf.Module()
+  module.a = tf.Variable(1.0)
+  ckpt = tf.train.Checkpoint(m=module)
+  cached = reads.CachedGather(ckpt)
+
+  def graph():
+    (value,) = [it.value for it in cached() if it.key == "_CHECKPOINTABLE_OBJECT_GRAPH"]
+    return value
+
+  first = graph()
+  assert graph() is first and graph() is first
+  module.b = tf.Variable(2.0)  # A new object: a new trace, and its own object graph.
+  cached.check()
+  second = graph()
+  assert second is not first and second.numpy() != first.numpy()
+  assert b"b" in second.numpy() and graph() is second

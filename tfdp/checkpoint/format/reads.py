@@ -88,7 +88,9 @@ class CachedGather:
   the call assumes that the checkpoint's objects stay the same; `check()`
   walks the object graph without reading anything and retraces when they
   changed (a persistent save checks first; a local save at every step
-  relies on the last check).
+  relies on the last check). The object graph is a constant of the trace:
+  every call gives the first call's tensor of it, so the local writer,
+  which keeps the bytes of a string by tensor, makes them once per trace.
 
   Args:
     checkpoint: the `tf.train.Checkpoint`.
@@ -101,6 +103,7 @@ class CachedGather:
     self._states = None
     self._objects = None
     self._texts = {}  # key -> (a Python state's last text, its tensor)
+    self._graph = None  # (its index in the outputs, its tensor once read) of this trace.
 
   def _trace(self):
     keys = []
@@ -121,13 +124,22 @@ class CachedGather:
 
     self._fn = read.get_concrete_function()
     self._keys = list(keys)
+    at = [i for i, (key, _, _) in enumerate(self._keys) if key == OBJECT_GRAPH_KEY]
+    self._graph = (at[0], None) if at else None
 
   def __call__(self) -> list[Item]:
     """The Items, sized where the trace knew the size (None: a string, sized by whoever needs it)."""
     if self._fn is None:
       self._trace()
+    values = self._fn()
+    if self._graph is not None:
+      at, graph = self._graph
+      if graph is None:
+        self._graph = (at, values[at])
+      else:
+        values[at] = graph
     out = [Item(key, spec, value, size)
-           for (key, spec, size), value in zip(self._keys, self._fn())]
+           for (key, spec, size), value in zip(self._keys, values)]
     if self._states:
       out += [Item(key, "", self._state_tensor(key, obj.serialize()), None)
               for key, obj in self._states]
@@ -144,7 +156,7 @@ class CachedGather:
   def check(self) -> None:
     """Retraces at the next call when the checkpoint's objects are no longer those of the trace."""
     if self._fn is not None and not _same(self._objects, objects_of(self._checkpoint)):
-      self._fn = self._keys = self._states = self._objects = None
+      self._fn = self._keys = self._states = self._objects = self._graph = None
 
 
 class CachedWalk:

@@ -54,9 +54,11 @@ class _Source:
   value: object = None  # Kept: a fill may reuse the bytes of the same object.
 
 
-# String tensors made into bytes lately, by identity: a data position saved
-# against one iterator state for many saves is the same tensor each time
-# (tfdp.checkpoint.format.items.writable), made into bytes once.
+# String tensors made into bytes lately, by identity, the least recently used
+# let go first: a data position saved against one iterator state for many
+# saves is the same tensor each time (tfdp.checkpoint.format.items.writable),
+# as is the object graph of a traced read (tfdp.checkpoint.format.reads),
+# made into bytes once while strings that change at every save come and go.
 _strings_of = collections.OrderedDict()
 _strings_lock = threading.Lock()
 
@@ -64,6 +66,8 @@ _strings_lock = threading.Lock()
 def _string_source(key, value, shape):
   with _strings_lock:
     hit = _strings_of.get(id(value))
+    if hit is not None and hit[0] is value:
+      _strings_of.move_to_end(id(value))
   if hit is not None and hit[0] is value:
     return dataclasses.replace(hit[1], key=key)
   raw = value.numpy() if isinstance(value, tf.Tensor) else value
