@@ -104,18 +104,19 @@ def test_offsets_stay_fixed_and_an_unchanged_string_object_is_not_written_again(
   assert got["pos"] == b"p" * 100_000 and got["json"] == b'{"a": 1}' and not got["w"].any()
 
 
-
 def test_a_string_saved_unchanged_is_made_into_bytes_once_among_strings_that_change(monkeypatch):
   """A save holds a few strings that change at every step (metrics, counters) beside ones that do not (the object graph, a data position): those are made into bytes once."""
   made = []
   real = slots._string_head  # pylint: disable=protected-access
-  monkeypatch.setattr(slots, "_string_head", lambda values: made.append(bytes(values[0])) or real(values))
+  monkeypatch.setattr(slots, "_string_head",
+                      lambda values: made.append(bytes(values[0])) or real(values))
   fixed = tf.constant(b"g" * 5000)
   for step in range(20):
     changing = {f"s{k}": tf.constant(f"{step}.{k}".encode()) for k in range(3)}
     for key, value in dict(changing, graph=fixed).items():
       slots.source(key, value)
   assert made.count(b"g" * 5000) == 1, made.count(b"g" * 5000)
+
 
 def test_bytes_received_from_a_socket_are_checked_as_they_land(tmp_path):
   slot, entries, used = _fill(tmp_path / "ckpt.slot-0")
