@@ -68,8 +68,7 @@ def _string_source(key, value, shape):
     hit = _strings_of.get(id(value))
     if hit is not None and hit[0] is value:
       _strings_of.move_to_end(id(value))
-  if hit is not None and hit[0] is value:
-    return dataclasses.replace(hit[1], key=key)
+      return dataclasses.replace(hit[1], key=key)
   raw = value.numpy() if isinstance(value, tf.Tensor) else value
   values = [raw] if isinstance(raw, bytes) else list(np.ravel(raw))
   if not values:
