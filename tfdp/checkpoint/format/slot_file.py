@@ -272,10 +272,10 @@ def receive(recv_into, dst: np.ndarray, entries: list, path: str, times=None, di
     for thread in threads:
       thread.join()
     os.close(fd)
-  for phase, seconds in (("recv", waited), ("land_behind", behind), ("allocate", allocating),
-                         ("land_check", pipe.busy[0]), ("land_write", pipe.busy[1]),
-                         ("land_tail", time.perf_counter() - last)):
-    if times is not None:
+  if times is not None:
+    for phase, seconds in (("recv", waited), ("land_behind", behind), ("allocate", allocating),
+                           ("land_check", pipe.busy[0]), ("land_write", pipe.busy[1]),
+                           ("land_tail", time.perf_counter() - last)):
       times.add(phase, seconds)
   if pipe.error is not None:
     raise pipe.error
