@@ -99,9 +99,10 @@ import socket, sys, threading
 import numpy as np
 from tfdp import errors
 from tfdp.checkpoint.format import slot_file
+from tfdp.checkpoint.format.planner import Item
 from tfdp.checkpoint.local import slots
 source = slots.Slot(sys.argv[1])
-entries, used = source.fill([slots.source("x", np.random.default_rng(0).random(1 << 20))])
+entries, used = source.fill([Item("x", "", np.random.default_rng(0).random(1 << 20), None)])
 data = bytes(source.receivable(used)[0])
 a, b = socket.socketpair()
 threading.Thread(target=lambda: (a.sendall(data), a.close()), daemon=True).start()
@@ -127,8 +128,9 @@ import socket, sys, threading
 import numpy as np
 from tfdp import errors
 from tfdp.checkpoint.format import slot_file
+from tfdp.checkpoint.format.planner import Item
 from tfdp.checkpoint.local import slots
-sources = [slots.source("x", np.random.default_rng(0).random(5 << 20))]  # 42 MB
+sources = [Item("x", "", np.random.default_rng(0).random(5 << 20), None)]  # 42 MB
 source = slots.Slot(sys.argv[1])
 entries, used = source.fill(sources)
 data = bytes(source.receivable(used)[0])

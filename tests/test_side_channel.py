@@ -30,6 +30,7 @@ from tfdp.checkpoint.local import channel
 from tfdp.checkpoint.local import copies
 from tfdp.checkpoint.format import layout as layout_lib
 from tfdp.checkpoint.format import slot_file
+from tfdp.checkpoint.format.planner import Item
 from tfdp.checkpoint.local import peers
 from tfdp.checkpoint.local import slots
 from tfdp.checkpoint.local import wire
@@ -456,7 +457,7 @@ def test_a_copy_is_checked_as_it_lands_and_its_mac_covers_every_byte_in_flight(t
   os.makedirs(os.path.dirname(holder.path))
   values = {"a": np.arange(3, dtype=np.float32),  # 12 bytes, then a gap to the next 64.
             "b": np.arange(3 << 20, dtype=np.float32)}  # 12 MB: several pieces of the check.
-  entries, used = holder.fill([slots.source(k, v) for k, v in values.items()])
+  entries, used = holder.fill([Item(k, "", v, None) for k, v in values.items()])
   gap = next(e.offset + e.size for e in entries if e.key == "a")
   inside = next(e.offset for e in entries if e.key == "b") + (7 << 20) + 5
   assert gap < next(e.offset for e in entries if e.key == "b")
@@ -518,7 +519,7 @@ def test_a_received_copy_lands_through_its_slot_file_not_a_fault_per_page_of_its
   holder = slots.Slot(str(tmp_path / "holder" / "ckpt.slot-0"))
   os.makedirs(os.path.dirname(holder.path))
   value = np.random.default_rng(0).random(12 << 20)  # 96 MB of float64
-  entries, used = holder.fill([slots.source("w", value)])
+  entries, used = holder.fill([Item("w", "", value, None)])
   layout, header = _copy_of(tmp_path, entries, used)
   sender, receiver = _channels()
   with _offered(layout, header, holder.path, used, sender, receiver) as offer:

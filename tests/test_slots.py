@@ -1,5 +1,6 @@
 """The local tier's slots: bytes at fixed offsets with a CRC32C each, read back bitwise, TF's reader on them, a SIGKILL mid-fill."""
 
+import gc
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from tests import shared
 from tests.conftest import REPO
 from tfdp.checkpoint.format import checksum
 from tfdp.checkpoint.format import slot_file
+from tfdp.checkpoint.format.planner import Item
 from tfdp.checkpoint.local import bundle
 from tfdp.checkpoint.local import slots
 
@@ -49,7 +51,7 @@ def _same(got, value, key):
 
 def _fill(path, values=VALUES):
   slot = slots.Slot(str(path))
-  entries, used = slot.fill([slots.source(k, v) for k, v in values.items()])
+  entries, used = slot.fill([Item(k, "", v, None) for k, v in values.items()])
   return slot, entries, used
 
 
@@ -92,13 +94,14 @@ def test_offsets_stay_fixed_and_an_unchanged_string_object_is_not_written_again(
   big = tf.constant(b"p" * 100_000)  # A data position saved against one iterator state.
   values = {"w": tf.ones([1000]), "pos": big, "json": tf.constant(b"{}")}
   slot, first, _ = _fill(tmp_path / "ckpt.slot-0", values)
-  written = []
-  real = slots.Slot._write  # pylint: disable=protected-access
-  monkeypatch.setattr(slots.Slot, "_write", lambda self, s, off: written.append(s.key) or real(
-      self, s, off))
+  at = []  # Where bytes were copied to (a string's bytes: after its lengths).
+  real = slots.Slot._write_buffer  # pylint: disable=protected-access
+  monkeypatch.setattr(slots.Slot, "_write_buffer",
+                      lambda self, buf, off, crc: at.append(off) or real(self, buf, off, crc))
   again = dict(values, w=tf.zeros([1000]), json=tf.constant(b'{"a": 1}'))
-  second, used = slot.fill([slots.source(k, v) for k, v in again.items()])
+  second, used = slot.fill([Item(k, "", v, None) for k, v in again.items()])
   assert [e.offset for e in first] == [e.offset for e in second]
+  written = {e.key for e in second for a in at if e.offset <= a < e.offset + max(e.size, 1)}
   assert sorted(written) == ["json", "w"]
   got = slot_file.read(slot.path, second, used)
   assert got["pos"] == b"p" * 100_000 and got["json"] == b'{"a": 1}' and not got["w"].any()
@@ -116,6 +119,30 @@ def test_a_string_saved_unchanged_is_made_into_bytes_once_among_strings_that_cha
     for key, value in dict(changing, graph=fixed).items():
       slots.source(key, value)
   assert made.count(b"g" * 5000) == 1, made.count(b"g" * 5000)
+
+
+def test_a_fill_of_many_tensors_leaves_the_garbage_collector_nothing_per_tensor_to_track(tmp_path):
+  """A real model saves hundreds of tensors at every save. Each object the writer makes per tensor that lives until a collection adds to the full collections of the process's whole heap (about 350 ms each for a TF process, docs/performance.md): a fill makes none but each tensor's record (its shape a tuple of numbers, which the collector stops tracking)."""
+  values = [Item(f"layer_{i}/kernel", "", tf.fill([10, 10], float(i)), None) for i in range(2000)]
+  slot = slots.Slot(str(tmp_path / "ckpt.slot-0"))
+  slot.fill(values)  # Places them; later fills reuse the places, as every save after the first.
+  collections = []
+  gc.collect()
+  old = gc.get_threshold()
+  gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info))
+  gc.set_threshold(50, 1 << 30, 1 << 30)  # A young collection at every 50 objects made, and no other.
+  try:
+    entries, _ = slot.fill(values)
+  finally:
+    gc.set_threshold(*old)
+    gc.callbacks.pop()
+  # Each record and its shape: 2 objects a tensor, 80 collections. With a
+  # source, its shape list and its buffers' list besides: 157.
+  assert len(collections) < 2.5 * len(values) / 50, len(collections)
+  gc.collect()
+  assert not any(gc.is_tracked(e.shape) for e in entries)
+  assert entries[7] == ("layer_7/kernel", "float32", (10, 10), entries[7].offset, 400,
+                        checksum.value(np.full([10, 10], 7.0, np.float32).tobytes()))
 
 
 def test_bytes_received_from_a_socket_are_checked_as_they_land(tmp_path):
@@ -152,7 +179,7 @@ def test_records_of_any_shape_that_do_not_describe_the_bytes_are_refused():
   for bad in (dict(dtype="resource"), dict(dtype=None), dict(shape=[3]), dict(shape="2"),
               dict(offset=4), dict(offset=-8), dict(size=8.0), dict(crc32c=2 ** 32),
               dict(key=""), dict(key=7), dict(shape=[True, 2])):
-    fields = dict(vars(good), **bad)
+    fields = dict(good._asdict(), **bad)
     with pytest.raises(ValueError):
       slot_file.check_entries([SlotTensor(**fields)], 8)
   with pytest.raises(ValueError, match="overlap"):
@@ -178,7 +205,7 @@ for i in range(1, 7):
   v.assign_add(tf.fill([1 << 16], float(i) / 3))
   w.assign_add(tf.fill([1 << 16], i))
   if i == 6:  # The writer thread dies half way through filling the slot of step 4.
-    slots.Slot._write = local_faults.kill_after_tensors(2)
+    slots.Slot._write_buffer = local_faults.kill_after_tensors(2)
   manager.save_local(i)
   manager.sync()
 """
@@ -186,7 +213,7 @@ for i in range(1, 7):
 
 @pytest.mark.slow
 def test_a_writer_killed_in_the_middle_of_a_fill_leaves_the_other_slot_to_restore(tmp_path):
-  """SIGKILL after two tensors of the fill (its `Slot._write` wrapped): the restart restores step 5 from the other slot, bitwise."""
+  """SIGKILL after two tensors of the fill (its `Slot._write_buffer` wrapped): the restart restores step 5 from the other slot, bitwise."""
   proc = subprocess.run([sys.executable, "-c", _KILLED_MID_FILL, str(tmp_path)], cwd=REPO,
                         env=shared.environ(TF_CPP_MIN_LOG_LEVEL="2"), timeout=120,
                         capture_output=True, text=True, check=False)

@@ -31,17 +31,17 @@ def before_each_copy(fn):
 
 
 def kill_after_tensors(count: int):
-  """A `Slot._write` that SIGKILLs this process once `count` tensors are written (a fill cut short)."""
-  real = slots.Slot._write  # pylint: disable=protected-access
+  """A `Slot._write_buffer` that SIGKILLs this process once `count` tensors' bytes are written (a fill cut short)."""
+  real = slots.Slot._write_buffer  # pylint: disable=protected-access
   written = []
 
-  def write(self, source, offset):
+  def write_buffer(self, buf, offset, crc):
     if len(written) == count:
       os.kill(os.getpid(), signal.SIGKILL)
-    written.append(source.key)
-    return real(self, source, offset)
+    written.append(offset)
+    return real(self, buf, offset, crc)
 
-  return write
+  return write_buffer
 
 
 def half_then(fn):

@@ -13,7 +13,7 @@ import crc32c as _crc32c
 
 def extend(crc: int, data) -> int:
   """The CRC32C of the bytes `crc` was of, followed by `data` (bytes, or a contiguous buffer)."""
-  return _crc32c.crc32c(data, value=crc)
+  return _crc32c.crc32c(data, crc)  # Positional: keywords cost as much as a small buffer's checksum.
 
 
 def value(data) -> int:

@@ -11,6 +11,7 @@ Version-1 to 3 manifests are still read.
 
 import dataclasses
 import json
+import typing
 
 from tfdp import _version
 from tfdp import errors
@@ -22,17 +23,23 @@ MANIFEST_VERSION = 4
 FORMAT = "tfdp-checkpoint"
 
 
-@dataclasses.dataclass
-class SlotTensor:
+class SlotTensor(typing.NamedTuple):
   """One tensor of a local copy's slot file: where its bytes are, and their CRC32C.
 
   Strings are stored as TensorFlow's tensor bundles store them (varint
   lengths, their masked CRC32C, the bytes), and `crc32c` is the one TF's
   reader checks, so a TF index can describe the slot (tfdp.checkpoint.local.bundle).
+
+  A tuple, written as its JSON row as is: a save of a real model makes
+  hundreds at every save and keeps them while its copy is held, and each
+  object the garbage collector tracks that lives that long adds to the
+  full collections of the training process's whole heap. One object a
+  tensor: its shape is a tuple of numbers, which the collector stops
+  tracking (a list read from JSON).
   """
   key: str
   dtype: str  # A TF dtype name, e.g. "float32", "string".
-  shape: list[int]
+  shape: tuple[int, ...] | list[int]  # A list when read from JSON.
   offset: int
   size: int
   crc32c: int  # Unmasked.
@@ -61,7 +68,7 @@ class FileRecord:
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
            if getattr(self, f.name) is not None}
     if self.entries is not None:
-      out["entries"] = [e.to_list() for e in self.entries]
+      out["entries"] = self.entries  # Rows of JSON as they are (tuples).
     return out
 
   @classmethod

@@ -76,7 +76,7 @@ def check_entries(entries, size: int) -> None:
     keys.add(e.key)
     if e.dtype not in DTYPES:
       raise ValueError(f"{e.key}: unknown dtype {str(e.dtype)[:40]!r}")
-    if not (isinstance(e.shape, list) and len(e.shape) <= _MAX_DIMS and all(
+    if not (isinstance(e.shape, (list, tuple)) and len(e.shape) <= _MAX_DIMS and all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2 ** 62 for d in e.shape)):
       raise ValueError(f"{e.key}: a shape that is not a list of sizes")
     if not (e.offset >= end and e.size >= 0 and e.offset + e.size <= size

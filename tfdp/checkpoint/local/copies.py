@@ -31,13 +31,14 @@ from tfdp.checkpoint.format import commit as commit_lib
 from tfdp.checkpoint.local import wire
 
 
-def _sources(items):
+def _whole(items):
+  """`items`, when each is a whole tensor (the local tier holds no slices)."""
   for it in items:
     if it.slice_spec:
       raise errors.CheckpointError(
           f"{it.key} is a slice of a partitioned variable: the local tier holds whole "
           "tensors only. Save it with the persistent tier (local_checkpoint_every_steps=None).")
-  return [slots.source(it.key, items_lib.writable(it.value)) for it in items]
+  return items
 
 
 def write(slot: slots.Slot, prefix: str, items, base: manifest_lib.Manifest,
@@ -59,7 +60,7 @@ def write(slot: slots.Slot, prefix: str, items, base: manifest_lib.Manifest,
   Returns:
     The committed manifest.
   """
-  entries, used = slot.fill(_sources(items))
+  entries, used = slot.fill(_whole(items))
   items.clear()
   return _commit(slot, prefix, base, entries, used, sequence)
 
@@ -231,7 +232,7 @@ def adopt(slot: slots.Slot, prefix: str, offered: Incoming, own, base: manifest_
   root = layout_lib.per_worker_prefix(worker)
   holds_own = any(e.key.startswith(root) for e in entries)
   if own and not holds_own:  # A copy that came from this worker holds its state already.
-    more, used = slot.fill(_sources(own), start=used)
+    more, used = slot.fill(_whole(own), start=used)
     entries += more
   man = dataclasses.replace(offered.manifest, session=base.session, world_size=base.world_size,
                             writers={str(worker): {"files": 1}},

@@ -11,6 +11,7 @@ tfdp.checkpoint.format.slot_file.
 
 import collections
 import dataclasses
+import math
 import mmap
 import os
 import struct
@@ -18,14 +19,17 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops
 
 from tfdp import errors
 from tfdp.checkpoint.format import checksum
+from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import private
 from tfdp.checkpoint.format import slot_file
 from tfdp.checkpoint.format.manifest import SlotTensor
 
 COUNT = 2
+_EagerTensor = ops.EagerTensor
 _ALIGN = 64  # Each tensor's offset: what TF needs to use the bytes in place.
 _STRING_ALIGN = 4096
 
@@ -41,7 +45,7 @@ def _string_head(values) -> tuple[bytes, int]:
   return b"".join(lengths) + check, checksum.extend(crc, check)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Source:
   """One tensor to write: its record's fields, and its bytes as buffers (`head`: not in the CRC)."""
   key: str
@@ -84,14 +88,36 @@ def _string_source(key, value, shape):
   return out
 
 
+# The fixed-size dtypes a slot holds, by TF's enum: an eager tensor's
+# `_datatype_enum()` costs a tenth of its `dtype.name`.
+_FIXED = {d.as_datatype_enum: name for name, d in slot_file.DTYPES.items() if name != "string"}
+_ITEMSIZE = {name: slot_file.DTYPES[name].size for name in _FIXED.values()}
+# Tensors up to this size are copied through a memoryview of the mapping, in
+# a fraction of numpy's per-call cost; bigger ones by numpy, which lets the
+# GIL go while it copies (as the CRC32C does above 32 KiB).
+_SMALL = 64 << 10
+
+
+def _flat(arr) -> memoryview | np.ndarray:
+  """The bytes of C-contiguous array `arr` as one flat buffer (a memoryview: the cheapest to make)."""
+  try:
+    return memoryview(arr).cast("B")
+  except (TypeError, ValueError):  # bfloat16 has no buffer format; an empty array has no cast.
+    return arr.reshape(-1).view(np.uint8)
+
+
 def source(key: str, value) -> _Source:
   """The bytes of `value` (a host tensor or array; strings as TF's bundles hold them), without a copy.
 
   On a device (GPU) `_numpy()` is the device-to-host copy.
   """
-  # A save of a real model has hundreds of tensors: the eager tensor's own
-  # dtype name and shape tuple, not TensorShape and DType comparisons (about
-  # 30 us a tensor, on the writer thread, holding the GIL).
+  # A save of a real model has hundreds of tensors, each paid for in Python
+  # on the writer thread, holding the GIL the training thread's Python needs.
+  if isinstance(value, _EagerTensor):
+    name = _FIXED.get(value._datatype_enum())  # pylint: disable=protected-access
+    if name is not None:  # The common case: a variable's value, an eager tensor on the host.
+      flat = _flat(value._numpy())  # pylint: disable=protected-access
+      return _Source(key, name, list(value._shape_tuple()), flat.nbytes, [flat], value=value)  # pylint: disable=protected-access
   if isinstance(value, tf.Tensor):
     name, shape = value.dtype.name, list(value._shape_tuple())  # pylint: disable=protected-access
   else:
@@ -103,7 +129,7 @@ def source(key: str, value) -> _Source:
   arr = value._numpy() if isinstance(value, tf.Tensor) else np.asarray(value)  # pylint: disable=protected-access
   if not arr.flags.c_contiguous:
     arr = np.ascontiguousarray(arr)
-  flat = arr.reshape(-1).view(np.uint8)
+  flat = _flat(arr)
   return _Source(key, name, shape, flat.nbytes, [flat], value=value)
 
 
@@ -111,18 +137,21 @@ def _align(n: int, to: int) -> int:
   return -(-n // to) * to
 
 
-def _places(sources, previous, start):
-  """{key: (offset, room)}: the previous places when every tensor still fits (fixed offsets), else new ones."""
-  if previous and set(previous) == {s.key for s in sources} and all(
-      s.size <= previous[s.key][1] for s in sources) and all(
-      off >= start for off, _ in previous.values()):
+def _places(keys, sizes, strings, previous, start):
+  """{key: (offset, room)}: the previous places when every tensor still fits (fixed offsets), else new ones.
+
+  `strings`: the indices of the string tensors (their rooms leave space to grow).
+  """
+  if previous and len(previous) == len(keys) and all(
+      (p := previous.get(k)) is not None and n <= p[1] and p[0] >= start
+      for k, n in zip(keys, sizes)):
     return previous
   places, at = {}, _align(start, _ALIGN)
   # Fixed-size tensors first: a string that grows moves only strings.
-  for s in sorted(sources, key=lambda s: (s.dtype == "string", s.key)):
-    room = (_align(s.size + s.size // 16, _STRING_ALIGN) if s.dtype == "string"
-            else _align(s.size, _ALIGN))
-    places[s.key] = (at, room)
+  for i in sorted(range(len(keys)), key=lambda i: (i in strings, keys[i])):
+    n = sizes[i]
+    room = _align(n + n // 16, _STRING_ALIGN) if i in strings else _align(n, _ALIGN)
+    places[keys[i]] = (at, room)
     at += room
   return places
 
@@ -152,6 +181,7 @@ class Slot:
     self._fd = None
     self._map = None
     self._view = None
+    self._bytes = None
     self._places = {}
     self._memo = {}  # key -> (value, offset, size, crc) of strings written in this slot.
     self._holes = False  # Whether the mapped file may have ranges not allocated (`receivable`).
@@ -186,18 +216,52 @@ class Slot:
       raise
     self._fd = fd
     self._view = np.frombuffer(self._map, np.uint8)
+    self._bytes = memoryview(self._map)
     self._places, self._memo = {}, {}
 
-  def fill(self, sources: list, start: int = 0, durable: bool = True):
-    """Writes `sources` after the first `start` bytes; returns (their records, the bytes used).
+  def fill(self, items: list, start: int = 0, durable: bool = True):
+    """Writes `items` (their keys and values) after the first `start` bytes; returns (their records, the bytes used).
 
     One pass: each chunk is copied, then checksummed from the cache. A string
     this slot already holds at the same place, of the same object (a data
     position saved against one iterator state for many saves), is not
     written again.
+
+    Args:
+      items: tfdp.checkpoint.format.planner.Items (or anything with a `key`
+        and a `value`: a host tensor or array, or a variant, written as its
+        bytes).
+      start: the bytes before it are left as they are.
+      durable: flush the mapping before returning.
     """
+    # A real model saves hundreds of tensors at every save. Each is paid for
+    # in Python, holding the GIL the training thread's Python needs, and
+    # each object made for it that lives until a collection adds to the
+    # full collections of the process's whole heap (hundreds of ms each for
+    # a TF process). A host tensor therefore gets no object of its own
+    # here but its record (tfdp.checkpoint.format.manifest.SlotTensor);
+    # other values (strings, arrays, variants) go through `source`.
+    keys, names, shapes, sizes, other = [], [], [], [], {}
+    for i, it in enumerate(items):
+      value = it.value
+      name = None
+      if isinstance(value, _EagerTensor):
+        name = _FIXED.get(value._datatype_enum())  # pylint: disable=protected-access
+      if name is None:
+        if isinstance(value, tf.Tensor):
+          value = items_lib.writable(value)  # A variant becomes its bytes.
+        src = other[i] = source(it.key, value)
+        name, shape, size = src.dtype, tuple(src.shape), src.size
+      else:
+        shape = value._shape_tuple()  # pylint: disable=protected-access
+        size = _ITEMSIZE[name] * math.prod(shape)
+      keys.append(it.key)
+      names.append(name)
+      shapes.append(shape)
+      sizes.append(size)
+    strings = {i for i, src in other.items() if src.dtype == "string"}
     with self._lock:
-      places = _places(sources, self._places, start)
+      places = _places(keys, sizes, strings, self._places, start)
       used = max((off + room for off, room in places.values()), default=start)
       self._ensure(used)
       if places is not self._places:
@@ -205,36 +269,48 @@ class Slot:
       self._places = places
       memo, self._memo = self._memo, {}
       out = []
-      for s in sources:
-        off = places[s.key][0]
-        hit = memo.get(s.key)
-        if hit is not None and hit[0] is s.value and hit[1:3] == (off, s.size):
-          crc = hit[3]
+      for i, key in enumerate(keys):
+        off, size = places[key][0], sizes[i]
+        src = other.get(i)
+        if src is None:
+          crc = self._write_buffer(_flat(items[i].value._numpy()), off, 0)  # pylint: disable=protected-access
+        elif i not in strings:
+          crc = self._write(src, off)
         else:
-          crc = self._write(s, off)
-        if s.dtype == "string" and s.size > _STRING_ALIGN:
-          self._memo[s.key] = (s.value, off, s.size, crc)
-        out.append(SlotTensor(s.key, s.dtype, s.shape, off, s.size, crc))
+          hit = memo.get(key)
+          crc = (hit[3] if hit is not None and hit[0] is src.value and hit[1:3] == (off, size)
+                 else self._write(src, off))
+          if size > _STRING_ALIGN:
+            self._memo[key] = (src.value, off, size, crc)
+        out.append(SlotTensor(key, names[i], shapes[i], off, size, crc))
       if durable:
         self._map.flush()  # msync: a real disk (NVMe) has the bytes before the record names them.
       return out, max((e.offset + e.size for e in out), default=start)
 
+  def _write_buffer(self, buf, off, crc):
+    """Copies flat buffer `buf` to `off` and extends `crc` over it, chunk by chunk from the cache."""
+    n = len(buf)
+    if n <= _SMALL:  # Most tensors of a real model: one memoryview copy, one CRC call.
+      piece = self._bytes[off:off + n]
+      piece[:] = buf
+      return checksum.extend(crc, piece)
+    dst = self._view
+    if not isinstance(buf, np.ndarray):
+      buf = np.frombuffer(buf, np.uint8)  # numpy's copy of a chunk lets the GIL go.
+    for a in range(0, n, slot_file.CHUNK):
+      chunk = buf[a:a + slot_file.CHUNK]
+      piece = dst[off + a:off + a + len(chunk)]
+      piece[:] = chunk
+      crc = checksum.extend(crc, piece)
+    return crc
+
   def _write(self, s, off):
-    dst, crc = self._view, s.crc
+    crc = s.crc
     if s.head:
-      dst[off:off + len(s.head)] = np.frombuffer(s.head, np.uint8)
+      self._bytes[off:off + len(s.head)] = s.head
       off += len(s.head)
     for buf in s.buffers:
-      if len(buf) <= slot_file.CHUNK:  # Most tensors of a real model: one piece, fewer slices.
-        piece = dst[off:off + len(buf)]
-        piece[:] = buf
-        crc = checksum.extend(crc, piece)
-      else:
-        for a in range(0, len(buf), slot_file.CHUNK):
-          chunk = buf[a:a + slot_file.CHUNK]
-          piece = dst[off + a:off + a + len(chunk)]
-          piece[:] = chunk
-          crc = checksum.extend(crc, piece)
+      crc = self._write_buffer(buf, off, crc)
       off += len(buf)
     return crc
 
@@ -260,6 +336,9 @@ class Slot:
 
   def close(self) -> None:
     self._view = None
+    if self._bytes is not None:
+      self._bytes.release()
+      self._bytes = None
     if self._map is not None:
       try:
         self._map.close()
