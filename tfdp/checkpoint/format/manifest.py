@@ -44,12 +44,9 @@ class SlotTensor(typing.NamedTuple):
   size: int
   crc32c: int  # Unmasked.
 
-  def to_list(self) -> list:
-    return [self.key, self.dtype, list(self.shape), self.offset, self.size, self.crc32c]
-
   @classmethod
   def from_list(cls, row) -> "SlotTensor":
-    """The inverse of `to_list` (types are checked by tfdp.checkpoint.format.slot_file.check_entries)."""
+    """The record of its JSON row (types are checked by tfdp.checkpoint.format.slot_file.check_entries)."""
     if not isinstance(row, list) or len(row) != 6:
       raise ValueError(f"not a slot tensor record: {str(row)[:80]}")
     return cls(*row)
