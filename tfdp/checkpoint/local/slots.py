@@ -29,7 +29,6 @@ from tfdp.checkpoint.format import slot_file
 from tfdp.checkpoint.format.manifest import SlotTensor
 
 COUNT = 2
-_EagerTensor = ops.EagerTensor
 _ALIGN = 64  # Each tensor's offset: what TF needs to use the bytes in place.
 _STRING_ALIGN = 4096
 
@@ -88,6 +87,7 @@ def _string_source(key, value, shape):
   return out
 
 
+_EagerTensor = ops.EagerTensor
 # The fixed-size dtypes a slot holds, by TF's enum: an eager tensor's
 # `_datatype_enum()` costs a tenth of its `dtype.name`.
 _FIXED = {d.as_datatype_enum: name for name, d in slot_file.DTYPES.items() if name != "string"}
@@ -111,13 +111,10 @@ def source(key: str, value) -> _Source:
 
   On a device (GPU) `_numpy()` is the device-to-host copy.
   """
-  # A save of a real model has hundreds of tensors, each paid for in Python
-  # on the writer thread, holding the GIL the training thread's Python needs.
-  if isinstance(value, _EagerTensor):
-    name = _FIXED.get(value._datatype_enum())  # pylint: disable=protected-access
-    if name is not None:  # The common case: a variable's value, an eager tensor on the host.
-      flat = _flat(value._numpy())  # pylint: disable=protected-access
-      return _Source(key, name, list(value._shape_tuple()), flat.nbytes, [flat], value=value)  # pylint: disable=protected-access
+  # The eager tensor's own dtype name and shape tuple, not TensorShape and
+  # DType comparisons (about 30 us a tensor, on the writer thread, holding
+  # the GIL). A host tensor of a fixed-size dtype does not come here from
+  # `Slot.fill`, which writes it without a _Source.
   if isinstance(value, tf.Tensor):
     name, shape = value.dtype.name, list(value._shape_tuple())  # pylint: disable=protected-access
   else:
