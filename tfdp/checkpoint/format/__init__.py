@@ -2,7 +2,7 @@
 
 Owns:
   layout.py     every name in a checkpoint directory and a local tier (no TensorFlow);
-  manifest.py   the typed records (Manifest, FileRecord, SlotTensor) and their JSON (no TensorFlow);
+  manifest.py   the typed records (Manifest, FileRecord, SlotEntries of SlotTensor) and their JSON (no TensorFlow);
   verify.py     checks of the bytes against a manifest: sizes, CRC-32, TF's CRC32C, slot files;
   slot_file.py  the local tier's slot files: a record's checks, read and receive with a CRC32C each;
   checksum.py   CRC32C, one library for every tensor's checksum (it releases the GIL; no TensorFlow);

@@ -9,6 +9,7 @@ Checking the bytes against them is tfdp.checkpoint.format.verify's.
 Version-1 to 3 manifests are still read.
 """
 
+import collections.abc
 import dataclasses
 import json
 import typing
@@ -29,27 +30,89 @@ class SlotTensor(typing.NamedTuple):
   Strings are stored as TensorFlow's tensor bundles store them (varint
   lengths, their masked CRC32C, the bytes), and `crc32c` is the one TF's
   reader checks, so a TF index can describe the slot (tfdp.checkpoint.local.bundle).
-
-  A tuple, written as its JSON row as is: a save of a real model makes
-  hundreds at every save and keeps them while its copy is held, and each
-  object the garbage collector tracks that lives that long adds to the
-  full collections of the training process's whole heap. One object a
-  tensor: its shape is a tuple of numbers, which the collector stops
-  tracking (a list read from JSON).
+  A copy's record holds them as columns (`SlotEntries`); one is made when
+  asked for.
   """
   key: str
   dtype: str  # A TF dtype name, e.g. "float32", "string".
-  shape: tuple[int, ...] | list[int]  # A list when read from JSON.
+  shape: tuple[int, ...]
   offset: int
   size: int
   crc32c: int  # Unmasked.
 
+
+class SlotEntries(collections.abc.Sequence):
+  """The records of a slot's tensors (a Sequence of SlotTensor), held as six columns.
+
+  A local copy's record lists every tensor of a worker's state, hundreds
+  for a real model at every save, and lives while the copy is held. Held
+  as one object a tensor, each record is tracked by Python's garbage
+  collector, outlives the young collections and ends up in its oldest
+  generation, where every 25% more objects start a full collection of the
+  training process's whole heap (hundreds of ms each, holding the GIL;
+  docs/performance.md, "Sixth pass"). Held as columns, a record is six
+  lists, whatever its length: its strings and numbers are not tracked, nor
+  are its shapes (tuples of numbers, which the collector stops tracking).
+  Indexing and iterating make the SlotTensors on the way.
+  """
+
+  __slots__ = ("keys", "dtypes", "shapes", "offsets", "sizes", "crcs")
+
+  def __init__(self, keys=(), dtypes=(), shapes=(), offsets=(), sizes=(), crcs=()):
+    columns = [list(c) for c in (keys, dtypes, shapes, offsets, sizes, crcs)]
+    if len({len(c) for c in columns}) > 1:
+      raise ValueError("slot entries' columns of different lengths")
+    self.keys, self.dtypes, self.shapes, self.offsets, self.sizes, self.crcs = columns
+
   @classmethod
-  def from_list(cls, row) -> "SlotTensor":
-    """The record of its JSON row (types are checked by tfdp.checkpoint.format.slot_file.check_entries)."""
-    if not isinstance(row, list) or len(row) != 6:
-      raise ValueError(f"not a slot tensor record: {str(row)[:80]}")
-    return cls(*row)
+  def of(cls, records) -> "SlotEntries":
+    """The entries of SlotTensors (or rows of their six fields)."""
+    rows = list(records)
+    return cls(*zip(*rows)) if rows else cls()
+
+  @classmethod
+  def from_rows(cls, rows: list) -> "SlotEntries":
+    """The entries of their JSON rows (types are checked by tfdp.checkpoint.format.slot_file.check_entries)."""
+    for row in rows:
+      if not isinstance(row, list) or len(row) != 6:
+        raise ValueError(f"not a slot tensor record: {str(row)[:80]}")
+    out = cls.of(rows)
+    out.shapes = [tuple(s) if isinstance(s, list) else s for s in out.shapes]
+    return out
+
+  def rows(self) -> list[tuple]:
+    """Their JSON rows (made for the writing, not kept)."""
+    return list(zip(self.keys, self.dtypes, self.shapes, self.offsets, self.sizes, self.crcs))
+
+  def __len__(self) -> int:
+    return len(self.keys)
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return SlotEntries(self.keys[i], self.dtypes[i], self.shapes[i], self.offsets[i],
+                         self.sizes[i], self.crcs[i])
+    return SlotTensor(self.keys[i], self.dtypes[i], self.shapes[i], self.offsets[i],
+                      self.sizes[i], self.crcs[i])
+
+  def __iter__(self):
+    return map(SlotTensor._make, zip(self.keys, self.dtypes, self.shapes, self.offsets,
+                                     self.sizes, self.crcs))
+
+  def __add__(self, other) -> "SlotEntries":
+    other = other if isinstance(other, SlotEntries) else SlotEntries.of(other)
+    return SlotEntries(self.keys + other.keys, self.dtypes + other.dtypes,
+                       self.shapes + other.shapes, self.offsets + other.offsets,
+                       self.sizes + other.sizes, self.crcs + other.crcs)
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, collections.abc.Sequence) or isinstance(other, (str, bytes)):
+      return NotImplemented
+    return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+  __hash__ = None
+
+  def __repr__(self) -> str:
+    return f"SlotEntries({list(self)!r})"
 
 
 @dataclasses.dataclass
@@ -59,13 +122,17 @@ class FileRecord:
   size: int
   crc32: str | None = None  # The index (and every file of a v1 manifest).
   tensors: list[str] | None = None  # A data file: keys whose CRC32C TF keeps.
-  entries: list[SlotTensor] | None = None  # A local copy's slot file (its used bytes: `size`).
+  entries: SlotEntries | None = None  # A local copy's slot file (its used bytes: `size`).
+
+  def __post_init__(self):
+    if self.entries is not None and not isinstance(self.entries, SlotEntries):
+      self.entries = SlotEntries.of(self.entries)  # A list of SlotTensors.
 
   def to_dict(self) -> dict:
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
            if getattr(self, f.name) is not None}
     if self.entries is not None:
-      out["entries"] = self.entries  # Rows of JSON as they are (tuples).
+      out["entries"] = self.entries.rows()
     return out
 
   @classmethod
@@ -76,7 +143,7 @@ class FileRecord:
     if d.get("entries") is not None:
       if not isinstance(d["entries"], list):
         raise ValueError("slot entries that are not a list")
-      kw["entries"] = [SlotTensor.from_list(e) for e in d["entries"]]
+      kw["entries"] = SlotEntries.from_rows(d["entries"])
     return cls(**kw)
 
 

@@ -12,6 +12,7 @@ takes it, is an object with `add(phase, seconds)`
 """
 
 import collections
+import collections.abc
 import mmap
 import os
 import struct
@@ -64,7 +65,8 @@ def check_entries(entries, size: int) -> None:
   Raises:
     ValueError: naming what is wrong.
   """
-  if not isinstance(entries, list) or len(entries) > _MAX_ENTRIES:
+  if (not isinstance(entries, collections.abc.Sequence) or isinstance(entries, (str, bytes))
+      or len(entries) > _MAX_ENTRIES):
     raise ValueError("no list of slot tensors")
   end, keys = 0, set()
   for e in sorted(entries, key=lambda e: e.offset if isinstance(e.offset, int) else -1):

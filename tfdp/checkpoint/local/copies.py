@@ -69,7 +69,7 @@ def _commit(slot, prefix, base, entries, used, sequence):
   record = manifest_lib.FileRecord(os.path.basename(slot.path), used, entries=entries)
   man = dataclasses.replace(base, prefix=os.path.basename(prefix), time=time.time(),
                             files=[record], num_shards=1, total_bytes=used,
-                            state_bytes=sum(e.size for e in entries), sequence=sequence)
+                            state_bytes=sum(entries.sizes), sequence=sequence)
   return commit_lib.commit(prefix, man)
 
 
@@ -228,12 +228,12 @@ def adopt(slot: slots.Slot, prefix: str, offered: Incoming, own, base: manifest_
   Returns:
     The committed manifest.
   """
-  entries, used = list(offered.manifest.slot.entries), offered.size
+  entries, used = offered.manifest.slot.entries, offered.size
   root = layout_lib.per_worker_prefix(worker)
-  holds_own = any(e.key.startswith(root) for e in entries)
+  holds_own = any(k.startswith(root) for k in entries.keys)
   if own and not holds_own:  # A copy that came from this worker holds its state already.
     more, used = slot.fill(_whole(own), start=used)
-    entries += more
+    entries = entries + more
   man = dataclasses.replace(offered.manifest, session=base.session, world_size=base.world_size,
                             writers={str(worker): {"files": 1}},
                             per_worker_required=bool(own) or holds_own)

@@ -26,7 +26,7 @@ from tfdp.checkpoint.format import checksum
 from tfdp.checkpoint.format import items as items_lib
 from tfdp.checkpoint.format import private
 from tfdp.checkpoint.format import slot_file
-from tfdp.checkpoint.format.manifest import SlotTensor
+from tfdp.checkpoint.format.manifest import SlotEntries
 
 COUNT = 2
 _ALIGN = 64  # Each tensor's offset: what TF needs to use the bytes in place.
@@ -236,8 +236,9 @@ class Slot:
     # each object made for it that lives until a collection adds to the
     # full collections of the process's whole heap (hundreds of ms each for
     # a TF process). A host tensor therefore gets no object of its own
-    # here but its record (tfdp.checkpoint.format.manifest.SlotTensor);
-    # other values (strings, arrays, variants) go through `source`.
+    # here, and the records are columns
+    # (tfdp.checkpoint.format.manifest.SlotEntries); other values (strings,
+    # arrays, variants) go through `source`.
     keys, names, shapes, sizes, other = [], [], [], [], {}
     for i, it in enumerate(items):
       value = it.value
@@ -265,7 +266,7 @@ class Slot:
         self._memo = {}
       self._places = places
       memo, self._memo = self._memo, {}
-      out = []
+      offsets, crcs = [], []
       for i, key in enumerate(keys):
         off, size = places[key][0], sizes[i]
         src = other.get(i)
@@ -279,10 +280,12 @@ class Slot:
                  else self._write(src, off))
           if size > _STRING_ALIGN:
             self._memo[key] = (src.value, off, size, crc)
-        out.append(SlotTensor(key, names[i], shapes[i], off, size, crc))
+        offsets.append(off)
+        crcs.append(crc)
       if durable:
         self._map.flush()  # msync: a real disk (NVMe) has the bytes before the record names them.
-      return out, max((e.offset + e.size for e in out), default=start)
+      return (SlotEntries(keys, names, shapes, offsets, sizes, crcs),
+              max(map(int.__add__, offsets, sizes), default=start))
 
   def _write_buffer(self, buf, off, crc):
     """Copies flat buffer `buf` to `off` and extends `crc` over it, chunk by chunk from the cache."""
