@@ -121,3 +121,47 @@ def test_the_object_graph_is_one_tensor_at_every_read_until_the_objects_change()
   second = graph()
   assert second is not first and second.numpy() != first.numpy()
   assert b"b" in second.numpy() and graph() is second
+
+
+def test_a_python_value_saves_and_restores_as_a_variable_of_its_name_does(tmp_path):
+  """`reads.PythonValue` beside the `tf.Variable` it stands for: the same keys, dtypes and values in TF's checkpoint, each restoring into the other; the cached read holds each save's value."""
+  def objects(kind):
+    make = (lambda v: tf.Variable(v, dtype=tf.int64)) if kind == "variable" else (
+        lambda v: reads.PythonValue(v, tf.int64))
+    return make(-1), make([0, 0])
+
+  saved = {}
+  for kind in ("variable", "python"):
+    step, topology = objects(kind)
+    step.assign(41)
+    topology.assign([2, 4])
+    ckpt = tf.train.Checkpoint(keras_step_in_epoch=step, data_topology=topology)
+    saved[kind] = ckpt.write(str(tmp_path / kind / "ckpt"))
+  shapes = [tf.train.load_checkpoint(saved[k]).get_variable_to_dtype_map() for k in saved]
+  assert shapes[0] == shapes[1], shapes
+  for written, kind in (("variable", "python"), ("python", "variable")):
+    step, topology = objects(kind)
+    tf.train.Checkpoint(keras_step_in_epoch=step, data_topology=topology).read(
+        saved[written]).assert_consumed()
+    assert (int(step.numpy()), list(topology.numpy())) == (41, [2, 4]), (written, kind)
+
+  # The local tier's copies (tfdp's cached read and restore): each holds its own step's value.
+  step, topology = objects("python")
+  manager = _manager(str(tmp_path / "tier"), tf.train.Checkpoint(
+      keras_step_in_epoch=step, data_topology=topology))
+  try:
+    for n in (1, 2, 3):
+      step.assign(n * 10)
+      manager.save_local(n)
+    manager.sync()
+  finally:
+    manager.close()
+  for made in ("python", "variable"):
+    step, topology = objects(made)
+    again = _manager(str(tmp_path / "tier"), tf.train.Checkpoint(
+        keras_step_in_epoch=step, data_topology=topology))
+    try:
+      assert again.restore_or_initialize().endswith("ckpt-3")
+    finally:
+      again.close()
+    assert int(step.numpy()) == 30, made

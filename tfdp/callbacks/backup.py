@@ -300,9 +300,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Saves at `step` (every worker) when `cadence` says so; at a batch's end, locally too when due."""
     due = cadence.due(step, last_saved_step=self.manager.last_saved_step, advance=advance, **when)
     if due or advance:  # One call for both tiers, from one snapshot.
-      with self.position.saving(step) as before:
+      with self.position.saving(step):
         self.manager.save_at_step(step, persistent=due, local=advance, metrics=self._metrics,
-                                  blocked=self._blocked, before=before)
+                                  blocked=self._blocked)
 
   def _blocked(self, seconds, tier):
     """Goodput's: the time a save of `tier` blocked training (with a local save, the interval now)."""

@@ -245,7 +245,7 @@ class Tiers:
     return step, persistent, local
 
   def save_at_step(self, step: int, *, persistent: bool, local: bool = True,
-                   metrics: dict | None = None, blocked=None, before=None) -> str | None:
+                   metrics: dict | None = None, blocked=None) -> str | None:
     """The training loop's saves after `step` (every worker, at every step): one snapshot for the tiers due.
 
     The persistent tier saves checkpoint `step` when `persistent` (as
@@ -261,8 +261,6 @@ class Tiers:
       metrics: the persistent save's (see `save`).
       blocked: optional `fn(seconds, tier)` told how long each tier blocked
         the caller ("persistent" or "local").
-      before: optional `fn()` run once before the snapshot is taken, when a
-        tier saves (the caller's state of this step into its variables).
 
     Returns:
       The persistent prefix, or None without a persistent save.
@@ -272,7 +270,7 @@ class Tiers:
       return None  # Most steps: nothing is read.
     counter = None if self._step_counter is None else _number(self._step_counter)
     return self.save((counter, step, metrics, None) if persistent else None, local_step,
-                     blocked, before)
+                     blocked)
 
   def restored(self, prefix: str, man, tier: str) -> None:
     """After a restore of `prefix` (manifest `man`) from `tier`: the steps saved, and the local tier told."""
@@ -283,7 +281,7 @@ class Tiers:
     if self.local is not None:  # What an abandoned attempt saved past it goes, on every worker.
       self.local.restored(step, tier)
 
-  def save(self, persistent, local_step, blocked=None, before=None) -> str | None:
+  def save(self, persistent, local_step, blocked=None) -> str | None:
     """Takes the step's snapshot and hands it to the persistent tier when asked, then to the local one.
 
     Args:
@@ -292,14 +290,11 @@ class Tiers:
       local_step: the step of a local save after it (with its save_counter),
         or None.
       blocked: optional `fn(seconds, tier)` told how long each tier blocked.
-      before: optional `fn()` run once before the snapshot, when a tier saves.
 
     Returns:
       The persistent prefix (the newest's when it holds this step already),
       or None without a persistent save.
     """
-    if before is not None and (persistent is not None or local_step is not None):
-      before()
     snapshot = Snapshot(self._checkpoint, self.gather, self._per_worker)
     prefix = None
     if persistent is not None:

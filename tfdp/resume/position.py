@@ -15,6 +15,7 @@ from tfdp import errors
 from tfdp.resume import callback_state
 from tfdp.resume import data_position
 from tfdp.resume import fit_hooks
+from tfdp.checkpoint.format import reads
 from tfdp.checkpoint.format import units
 from tfdp.resume import trackables as run_state
 
@@ -101,11 +102,11 @@ class Position:
   """
 
   def __init__(self, checkpoint: tf.train.Checkpoint, callback):
-    self.epoch = tf.Variable(-1, dtype=tf.int64, trainable=False, name=EPOCH_KEY)
-    self.step_in_epoch = tf.Variable(-1, dtype=tf.int64, trainable=False,
-                                     name=STEP_IN_EPOCH_KEY)
-    self.topology = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
-                                name=DATA_TOPOLOGY_KEY)
+    # Saved as variables of these names are, but set without a TF op (a
+    # mirrored assign at every save cost the step about 0.4 ms).
+    self.epoch = reads.PythonValue(-1, tf.int64)
+    self.step_in_epoch = reads.PythonValue(-1, tf.int64)
+    self.topology = reads.PythonValue([0, 0], tf.int64)
     setattr(checkpoint, EPOCH_KEY, self.epoch)
     setattr(checkpoint, STEP_IN_EPOCH_KEY, self.step_in_epoch)
     setattr(checkpoint, DATA_TOPOLOGY_KEY, self.topology)
@@ -113,10 +114,9 @@ class Position:
     self.callbacks = run_state.CallbackStates(callback)
     self.metrics = run_state.MetricStates(callback)
     self.epoch_first_step = 0  # The global step the current epoch began at.
-    # The steps done of this epoch, as the step's end left them (None:
-    # unknown); `sync` puts them into `step_in_epoch` before a save.
+    # The steps done of this epoch, as the last step's end left them (None:
+    # unknown; `step_in_epoch` then keeps what a restore put there).
     self.in_epoch = None
-    self._synced = None  # What `step_in_epoch` holds (None: unknown to Python).
     self.saving_step = None  # The global step of the save being taken (None: none is).
     self.metrics_pending = False  # The restored epoch's metrics so far wait for its begin.
 
@@ -129,7 +129,7 @@ class Position:
     """Before a restore: a backup without these keys leaves them unknown."""
     self.epoch.assign(-1)
     self.step_in_epoch.assign(-1)
-    self.in_epoch = self._synced = None
+    self.in_epoch = None
     self.topology.assign([0, 0])
     self.data.restored = None
     self.callbacks.restored = None
@@ -140,7 +140,7 @@ class Position:
     if prefix is None:
       return Resume()
     epoch, in_epoch = int(self.epoch.numpy()), int(self.step_in_epoch.numpy())
-    self.in_epoch = self._synced = in_epoch
+    self.in_epoch = in_epoch
     return Resume(prefix=prefix, step=step, epoch=epoch if epoch >= 0 else None,
                   step_in_epoch=in_epoch if in_epoch >= 0 else None, data=self.data.restored,
                   topology=tuple(int(v) for v in self.topology.numpy()), tier=tier)
@@ -172,28 +172,25 @@ class Position:
     self.epoch.assign(epoch)
 
   def batch_end(self, step: int) -> None:
-    """A step ended: its place in the epoch, kept in Python (no TF op at a step that saves nothing)."""
-    self.in_epoch = step - self.epoch_first_step
-
-  def sync(self) -> None:
-    """Before a save is taken: the step within the epoch into its variable, when it changed."""
-    if self.in_epoch is not None and self.in_epoch != self._synced:
-      _set(self.step_in_epoch, self.in_epoch)
-      self._synced = self.in_epoch
+    """A step ended: its place in the epoch (no TF op)."""
+    self._set_in_epoch(step - self.epoch_first_step)
 
   @contextlib.contextmanager
   def saving(self, step: int):
-    """While the callback may save global step `step` (the data position's step): gives the `before` the tiers run (`sync`)."""
+    """While the callback may save global step `step` (the data position's step)."""
     self.saving_step = step
     try:
-      yield self.sync
+      yield
     finally:
       self.saving_step = None
 
   def epoch_end(self, epoch: int) -> None:
     self.epoch.assign(epoch + 1)
-    self.in_epoch = 0
-    self.sync()
+    self._set_in_epoch(0)
+
+  def _set_in_epoch(self, steps: int) -> None:
+    self.in_epoch = steps
+    self.step_in_epoch.assign(steps)
 
 
 def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool,
@@ -262,13 +259,3 @@ def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool
           "; the epoch's steps are done, its end runs again"
           if steps and resume.step_in_epoch >= steps else "")
 
-
-def _set(variable, value) -> None:
-  """Assigns `value` to each replica's copy of `variable`, reading nothing back.
-
-  A mirrored variable's own assign costs about 0.45 ms in eager mode, and
-  about 0.05 ms this way (2 logical CPUs; scripts/bench_step_cost.py); the
-  same value goes into every copy, as a mirrored assign puts it.
-  """
-  for v in getattr(variable, "values", (variable,)):
-    v.assign(value, read_value=False)
