@@ -12,7 +12,7 @@ Owns:
   private.py    private folders and files (modes, no symlinks);
   units.py      byte counts for people: human_bytes, parse_size;
   planner.py    the byte-balanced save plan;
-  reads.py      a checkpoint's tensors as TF's save reads them: the full walk, and the cached reads of frequent saves;
+  reads.py      a checkpoint's tensors as TF's save reads them: the full walk, the cached reads of frequent saves, PythonValue;
   items.py      a save's items, their sizes and host snapshot, the per-worker state.
 May import: tfdp.errors, tfdp._version.
 """

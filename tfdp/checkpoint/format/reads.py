@@ -6,7 +6,8 @@ save that comes at every step, or every few, reads the same objects: the
 cached reads take the variables in one traced call (`CachedGather`) and
 ask the other objects directly (`CachedWalk`), and check that the objects
 are still those they were made for with a walk that reads nothing
-(`objects_of`, about a tenth of a full read).
+(`objects_of`, about a tenth of a full read). A `PythonValue` is a number
+saved as a variable is, set without a TF op.
 """
 
 import numpy as np
@@ -43,7 +44,9 @@ class PythonValue(trackable_base.Trackable):
 
   def assign(self, value) -> None:
     """Sets the value: a number, or a (nested) list of numbers; kept as Python numbers."""
-    self._value = np.asarray(value).tolist() if isinstance(value, np.ndarray) else (
+    if isinstance(value, tf.Tensor):
+      value = value.numpy()
+    self._value = value.tolist() if isinstance(value, np.ndarray) else (
         list(value) if isinstance(value, tuple) else value)
 
   def numpy(self) -> np.ndarray:
