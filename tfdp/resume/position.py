@@ -94,8 +94,9 @@ def topology(strategy) -> tuple[int, int]:
 class Position:
   """What a backup records of where a Keras run is: epochs done, the step within the epoch, the data topology.
 
-  Three variables added to the backup's checkpoint (`keras_epoch`,
-  `keras_step_in_epoch`, `data_topology`), set as training goes, plus this
+  Three values added to the backup's checkpoint (`keras_epoch`,
+  `keras_step_in_epoch`, `data_topology`: `reads.PythonValue`s, saved as
+  variables of those names are), set as training goes, plus this
   worker's per-worker state (`per_worker()`): its data position (`data`),
   its callbacks' state and its metrics' state (`tfdp.resume.trackables`). `read()`
   turns what a restore put in them into a `Resume`.

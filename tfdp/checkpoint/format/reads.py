@@ -138,13 +138,14 @@ class CachedGather:
   One call reads every variable in one function call (about 0.2 ms for a
   Keras model) instead of one eager op and a graph walk per variable. The
   objects that save a Python value (`PythonState`, `PythonValue`) are asked
-  at every call, as TF's save asks them. As TF's own async checkpointing does after its first save,
-  the call assumes that the checkpoint's objects stay the same; `check()`
-  walks the object graph without reading anything and retraces when they
-  changed (a persistent save checks first; a local save at every step
-  relies on the last check). The object graph is a constant of the trace:
-  every call gives the first call's tensor of it, so the local writer,
-  which keeps the bytes of a string by tensor, makes them once per trace.
+  at every call, as TF's save asks them. As TF's own async checkpointing
+  does after its first save, the call assumes that the checkpoint's objects
+  stay the same; `check()` walks the object graph without reading anything
+  and retraces when they changed (a persistent save checks first; a local
+  save at every step relies on the last check). The object graph is a
+  constant of the trace: every call gives the first call's tensor of it, so
+  the local writer, which keeps the bytes of a string by tensor, makes them
+  once per trace.
 
   Args:
     checkpoint: the `tf.train.Checkpoint`.
