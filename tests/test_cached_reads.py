@@ -137,7 +137,10 @@ def test_a_python_value_saves_and_restores_as_a_variable_of_its_name_does(tmp_pa
     topology.assign([2, 4])
     ckpt = tf.train.Checkpoint(keras_step_in_epoch=step, data_topology=topology)
     saved[kind] = ckpt.write(str(tmp_path / kind / "ckpt"))
-  shapes = [tf.train.load_checkpoint(saved[k]).get_variable_to_dtype_map() for k in saved]
+  readers = [tf.train.load_checkpoint(saved[k]) for k in saved]
+  dtypes = [r.get_variable_to_dtype_map() for r in readers]
+  assert dtypes[0] == dtypes[1], dtypes
+  shapes = [r.get_variable_to_shape_map() for r in readers]
   assert shapes[0] == shapes[1], shapes
   for written, kind in (("variable", "python"), ("python", "variable")):
     step, topology = objects(kind)

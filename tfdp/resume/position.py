@@ -115,11 +115,14 @@ class Position:
     self.callbacks = run_state.CallbackStates(callback)
     self.metrics = run_state.MetricStates(callback)
     self.epoch_first_step = 0  # The global step the current epoch began at.
-    # The steps done of this epoch, as the last step's end left them (None:
-    # unknown; `step_in_epoch` then keeps what a restore put there).
-    self.in_epoch = None
     self.saving_step = None  # The global step of the save being taken (None: none is).
     self.metrics_pending = False  # The restored epoch's metrics so far wait for its begin.
+
+  @property
+  def in_epoch(self) -> int | None:
+    """The steps done of this epoch, as the last step's end or a restore left them (None: unknown)."""
+    steps = int(self.step_in_epoch.value)
+    return steps if steps >= 0 else None
 
   def per_worker(self) -> dict:
     """The backup's per-worker state: name -> trackable (a `tfdp.CheckpointManager`'s `per_worker`)."""
@@ -130,20 +133,18 @@ class Position:
     """Before a restore: a backup without these keys leaves them unknown."""
     self.epoch.assign(-1)
     self.step_in_epoch.assign(-1)
-    self.in_epoch = None
     self.topology.assign([0, 0])
     self.data.restored = None
     self.callbacks.restored = None
     self.metrics.restored = None
 
   def read(self, prefix: str | None, step: int, tier: str | None) -> Resume:
-    """The `Resume` of what a restore just put in the variables."""
+    """The `Resume` of what a restore just put in the three values."""
     if prefix is None:
       return Resume()
-    epoch, in_epoch = int(self.epoch.numpy()), int(self.step_in_epoch.numpy())
-    self.in_epoch = in_epoch
+    epoch = int(self.epoch.value)
     return Resume(prefix=prefix, step=step, epoch=epoch if epoch >= 0 else None,
-                  step_in_epoch=in_epoch if in_epoch >= 0 else None, data=self.data.restored,
+                  step_in_epoch=self.in_epoch, data=self.data.restored,
                   topology=tuple(int(v) for v in self.topology.numpy()), tier=tier)
 
   def take_chief_callbacks(self, prefix: str | None) -> None:
@@ -174,7 +175,7 @@ class Position:
 
   def batch_end(self, step: int) -> None:
     """A step ended: its place in the epoch (no TF op)."""
-    self._set_in_epoch(step - self.epoch_first_step)
+    self.step_in_epoch.assign(step - self.epoch_first_step)
 
   @contextlib.contextmanager
   def saving(self, step: int):
@@ -187,11 +188,7 @@ class Position:
 
   def epoch_end(self, epoch: int) -> None:
     self.epoch.assign(epoch + 1)
-    self._set_in_epoch(0)
-
-  def _set_in_epoch(self, steps: int) -> None:
-    self.in_epoch = steps
-    self.step_in_epoch.assign(steps)
+    self.step_in_epoch.assign(0)
 
 
 def resume_data(resume: Resume, model, backup_dir: str, restart_epoch_data: bool,

@@ -49,6 +49,11 @@ class PythonValue(trackable_base.Trackable):
     self._value = value.tolist() if isinstance(value, np.ndarray) else (
         list(value) if isinstance(value, tuple) else value)
 
+  @property
+  def value(self):
+    """The value as set: a Python number or list (no array is made)."""
+    return self._value
+
   def numpy(self) -> np.ndarray:
     return np.array(self._value, self._dtype.as_numpy_dtype)
 
